@@ -1,0 +1,159 @@
+"""The kernel boundary: every layer calls only these functions. Each checks its arguments
+(a ValueError naming the argument, before any launch) and then runs the Triton kernel or the
+PyTorch reference, as `dispatch` decides."""
+import torch
+
+from nanovllm.kernels.benchmark import benchmark_kernel
+from nanovllm.kernels.dispatch import KERNELS_AVAILABLE, backend_for, implementation
+
+__all__ = [
+    "KERNELS_AVAILABLE", "backend_for", "benchmark_kernel", "graph_capturable",
+    "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
+    "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "paged_attention",
+]
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _require(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{name}: {message}")
+
+
+def _require_float(x: torch.Tensor, name: str) -> None:
+    _require(isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES, name, "must be a floating-point tensor")
+
+
+def _require_like(x: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str) -> None:
+    _require_float(x, name)
+    _require(x.shape == ref.shape, name, f"shape {tuple(x.shape)} differs from {ref_name}'s {tuple(ref.shape)}")
+    _require(x.dtype == ref.dtype, name, f"dtype {x.dtype} differs from {ref_name}'s {ref.dtype}")
+    _require(x.device == ref.device, name, f"device {x.device} differs from {ref_name}'s {ref.device}")
+
+
+def _require_index(x: torch.Tensor, name: str, ndim: int) -> None:
+    _require(isinstance(x, torch.Tensor) and x.dtype in _INDEX_DTYPES, name, "must be an int32 or int64 tensor")
+    _require(x.dim() == ndim, name, f"must have {ndim} dimension(s), got shape {tuple(x.shape)}")
+
+
+def _require_approximate(approximate: str) -> None:
+    _require(approximate in ("tanh", "none"), "approximate", f"must be 'tanh' or 'none', got {approximate!r}")
+
+
+def _require_last_dim_vector(x: torch.Tensor, vector: torch.Tensor, name: str) -> None:
+    _require_float(x, "x")
+    _require_float(vector, name)
+    _require(vector.shape == (x.shape[-1],), name, f"shape {tuple(vector.shape)} must be ({x.shape[-1]},)")
+    _require(vector.dtype == x.dtype, name, f"dtype {vector.dtype} differs from x's {x.dtype}")
+
+
+def _require_gated(x: torch.Tensor) -> None:
+    _require_float(x, "x")
+    _require(x.dim() >= 1 and x.shape[-1] % 2 == 0, "x", f"last dimension must be even, got shape {tuple(x.shape)}")
+
+
+def graph_capturable(device: torch.device | str) -> bool:
+    """Whether the kernels on `device` run without host synchronisation (CUDA-graph safe)."""
+    return torch.device(device).type == "cuda" and backend_for(device) == "triton"
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x[..., 2d] -> silu(x[..., :d]) * x[..., d:]"""
+    _require_gated(x)
+    return implementation("silu_and_mul", x.device)(x)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """x[..., 2d] -> gelu(x[..., :d]) * x[..., d:]"""
+    _require_gated(x)
+    _require_approximate(approximate)
+    return implementation("gelu_and_mul", x.device)(x, approximate)
+
+
+def fused_add_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(x + bias), bias of shape [x.shape[-1]]."""
+    _require_last_dim_vector(x, bias, "bias")
+    _require_approximate(approximate)
+    return implementation("fused_add_gelu", x.device)(x, bias, approximate)
+
+
+def element_wise_mul_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c, all of one shape and dtype."""
+    _require_float(a, "a")
+    _require_like(b, a, "b", "a")
+    _require_like(c, a, "c", "a")
+    return implementation("element_wise_mul_add", a.device)(a, b, c)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
+    _require_last_dim_vector(x, weight, "weight")
+    return implementation("rms_norm", x.device)(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """-> (rms_norm(x + residual), x + residual). May reuse the memory of x and residual:
+    callers must not read either afterwards."""
+    _require_last_dim_vector(x, weight, "weight")
+    _require_like(residual, x, "residual", "x")
+    return implementation("fused_add_rms_norm", x.device)(x, residual, weight, eps)
+
+
+def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Neox-style rotary embedding. q [T, Hq, D], k [T, Hk, D], positions [T],
+    cos_sin_cache [max_position, D] holding cos in its first half and sin in its second.
+    Returns (q, k) rotated; may rotate them in place."""
+    _require_index(positions, "positions", 1)
+    _require_float(q, "q")
+    _require_float(k, "k")
+    _require_float(cos_sin_cache, "cos_sin_cache")
+    _require(q.dim() == 3, "q", f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    _require(k.dim() == 3, "k", f"must be [tokens, heads, head_dim], got shape {tuple(k.shape)}")
+    _require(q.shape[0] == positions.shape[0], "q", "token count differs from positions'")
+    _require(k.shape[0] == positions.shape[0], "k", "token count differs from positions'")
+    _require(k.shape[2] == q.shape[2] and q.shape[2] % 2 == 0, "k", "head_dim must be even and equal q's")
+    _require(k.dtype == q.dtype, "k", f"dtype {k.dtype} differs from q's {q.dtype}")
+    _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == q.shape[2], "cos_sin_cache",
+             f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
+    return implementation("apply_rotary_emb", q.device)(positions, q, k, cos_sin_cache)
+
+
+def _require_cache(cache: torch.Tensor, name: str) -> None:
+    _require_float(cache, name)
+    _require(cache.dim() == 4, name, f"must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(cache.shape)}")
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Writes key/value [T, Hk, D] into the paged caches at slot_mapping[T]
+    (slot = block * block_size + offset); slot -1 is skipped."""
+    _require_cache(k_cache, "k_cache")
+    _require_like(v_cache, k_cache, "v_cache", "k_cache")
+    _require_float(key, "key")
+    _require_like(value, key, "value", "key")
+    _require(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:], "key",
+             f"shape {tuple(key.shape)} must be [tokens, {k_cache.shape[2]}, {k_cache.shape[3]}]")
+    _require_index(slot_mapping, "slot_mapping", 1)
+    _require(slot_mapping.shape[0] == key.shape[0], "slot_mapping", "length differs from key's token count")
+    implementation("store_kvcache", key.device)(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True):
+    """Attention of packed queries q [T, Hq, D] over the paged caches. Sequence i owns query rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1] and keys 0..seq_lens[i]-1 (cached + new) through
+    block_tables[i]; with `causal`, query row j of a sequence of Lq rows sees keys
+    < seq_len - Lq + j + 1. A sequence with seq_len 0 gets zeros. Returns [T, Hq, D]."""
+    _require_float(q, "q")
+    _require(q.dim() == 3, "q", f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    _require_cache(k_cache, "k_cache")
+    _require_like(v_cache, k_cache, "v_cache", "k_cache")
+    _require(k_cache.shape[3] == q.shape[2], "k_cache", "head_dim differs from q's")
+    _require(q.shape[1] % k_cache.shape[2] == 0, "q", "query heads must be a multiple of the cache's kv heads")
+    _require_index(cu_seqlens_q, "cu_seqlens_q", 1)
+    _require_index(seq_lens, "seq_lens", 1)
+    _require_index(block_tables, "block_tables", 2)
+    _require(cu_seqlens_q.shape[0] == seq_lens.shape[0] + 1, "cu_seqlens_q", "must have len(seq_lens) + 1 entries")
+    _require(block_tables.shape[0] == seq_lens.shape[0], "block_tables", "must have one row per sequence")
+    _require(int(max_seqlen_q) >= 1, "max_seqlen_q", "must be at least 1")
+    return implementation("paged_attention", q.device)(
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables,
+        max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal)

@@ -1,0 +1,83 @@
+"""Chooses, once per process, whether the public kernel functions run their Triton kernels
+or the PyTorch references in `reference.py`.
+
+NANOVLLM_KERNEL_BACKEND=auto (default): Triton for CUDA tensors when Triton imports, the
+reference otherwise (said once in a warning). With TRITON_INTERPRET=1, "auto" also sends CPU
+tensors to Triton's interpreter. "triton" never falls back: a call Triton cannot serve raises.
+"torch" always uses the references."""
+import importlib
+import os
+import warnings
+
+import torch
+
+from nanovllm.kernels import reference
+
+_BACKEND_CHOICES = ("auto", "triton", "torch")
+# Which module under nanovllm.kernels holds each op's Triton launcher.
+_TRITON_MODULES = {
+    "silu_and_mul": "activation",
+    "gelu_and_mul": "activation",
+    "fused_add_gelu": "activation",
+    "element_wise_mul_add": "activation",
+    "rms_norm": "rms_norm",
+    "fused_add_rms_norm": "rms_norm",
+    "apply_rotary_emb": "rotary",
+    "store_kvcache": "kv_cache",
+    "paged_attention": "attention",
+}
+
+
+def _requested_backend() -> str:
+    backend = os.environ.get("NANOVLLM_KERNEL_BACKEND", "auto").lower()
+    if backend not in _BACKEND_CHOICES:
+        raise ValueError(f"NANOVLLM_KERNEL_BACKEND must be one of {_BACKEND_CHOICES}, got {backend!r}")
+    return backend
+
+
+def _triton_unavailable_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # any import failure means the same thing: no Triton here
+        return f"triton does not import ({exc})"
+    if not (INTERPRETER or torch.cuda.is_available()):
+        return "no CUDA device and TRITON_INTERPRET is not set"
+    return None
+
+
+REQUESTED_BACKEND = _requested_backend()
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+TRITON_UNAVAILABLE_REASON = None if REQUESTED_BACKEND == "torch" else _triton_unavailable_reason()
+KERNELS_AVAILABLE = REQUESTED_BACKEND != "torch" and TRITON_UNAVAILABLE_REASON is None
+_warned_fallback = False
+
+
+def backend_for(device: torch.device | str) -> str:
+    """'triton' or 'torch': the implementation a call with tensors on `device` will run."""
+    device = torch.device(device)
+    if REQUESTED_BACKEND == "torch":
+        return "torch"
+    triton_serves = KERNELS_AVAILABLE and (device.type == "cuda" or INTERPRETER)
+    if REQUESTED_BACKEND == "triton":
+        if not triton_serves:
+            reason = TRITON_UNAVAILABLE_REASON or f"tensors on {device} and TRITON_INTERPRET is not set"
+            raise RuntimeError(f"NANOVLLM_KERNEL_BACKEND=triton but Triton cannot run: {reason}")
+        return "triton"
+    if not triton_serves:
+        _warn_fallback_once(TRITON_UNAVAILABLE_REASON or f"tensors on {device}")
+        return "torch"
+    return "triton"
+
+
+def _warn_fallback_once(reason: str) -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(f"nanovllm kernels: using the PyTorch reference implementations ({reason})", stacklevel=4)
+
+
+def implementation(op: str, device: torch.device):
+    if backend_for(device) == "torch":
+        return getattr(reference, op)
+    module = importlib.import_module(f"nanovllm.kernels.{_TRITON_MODULES[op]}")
+    return getattr(module, op)

@@ -1,0 +1,100 @@
+"""PyTorch reference implementations of every kernel: the fallback when Triton cannot run,
+and the definition the Triton kernels are tested against. Arithmetic is done in fp32 (or
+float64 when the input is float64) and the result is cast back to the input's dtype."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    return F.gelu(x, approximate=approximate)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.to(_compute_dtype(x)).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    gate, up = x.to(_compute_dtype(x)).chunk(2, dim=-1)
+    return (_gelu(gate, approximate) * up).to(x.dtype)
+
+
+def fused_add_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    dtype = _compute_dtype(x)
+    return _gelu(x.to(dtype) + bias.to(dtype), approximate).to(x.dtype)
+
+
+def element_wise_mul_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    dtype = _compute_dtype(a)
+    return (a.to(dtype) * b.to(dtype) + c.to(dtype)).to(a.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = _compute_dtype(x)
+    xf = x.to(dtype)
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.to(dtype)).to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    summed = (x.to(_compute_dtype(x)) + residual.to(_compute_dtype(x))).to(x.dtype)
+    return rms_norm(summed, weight, eps), summed
+
+
+def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
+    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        x1, x2 = x.to(dtype).chunk(2, dim=-1)
+        c, s = cos.to(dtype), sin.to(dtype)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    num_blocks = math.ceil(seq_len / block_size)
+    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, Hk, D]
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True):
+    """Per-sequence gather of the cached K/V, then attention in fp32. A sequence whose
+    query sees no key (seq_len 0) gets zeros."""
+    out = torch.zeros_like(q)
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    dtype = _compute_dtype(q)
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        if seq_len == 0 or q_end == q_start:
+            continue
+        k = _gather_kv(k_cache, block_tables[i], seq_len).to(dtype).repeat_interleave(group, dim=1)
+        v = _gather_kv(v_cache, block_tables[i], seq_len).to(dtype).repeat_interleave(group, dim=1)
+        qs = q[q_start:q_end].to(dtype)
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if causal:
+            query_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
+            visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,104 @@
+"""Linear layers whose parameters carry a `weight_loader`: it copies a checkpoint tensor into
+this rank's part of the parameter (rank 0 of 1 today), and into the right slice of a merged
+projection, so tensor parallelism needs no change to the loader."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def tensor_parallel_rank_and_size() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b). `shard_dim` is the weight dimension split across ranks (None: replicated)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size = tensor_parallel_rank_and_size()
+        self.shard_dim = shard_dim
+        out_local = output_size // self.tp_size if shard_dim == 0 else output_size
+        in_local = input_size // self.tp_size if shard_dim == 1 else input_size
+        self.weight = nn.Parameter(torch.empty(out_local, in_local))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local))
+            self.bias.weight_loader = self.weight_loader
+
+    def _rank_part(self, loaded: torch.Tensor, dim: int | None) -> torch.Tensor:
+        if dim is None or dim >= loaded.dim():
+            return loaded
+        size = loaded.shape[dim] // self.tp_size
+        return loaded.narrow(dim, self.tp_rank * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        copy_checked(param, self._rank_part(loaded, self.shard_dim), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, shard_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, shard_dim=0)
+
+
+class RowParallelLinear(LinearBase):
+    """Splits the input dimension; the partial sums would be all-reduced across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, shard_dim=1)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        copy_checked(param, self._rank_part(loaded, 1 if param.dim() == 2 else None), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        y = F.linear(x, self.weight, bias)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(y)
+        return y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one matrix (gate and up).
+    Shard ids name the parts in order: 0, 1, ..."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def shard_offset_and_size(self, shard_id) -> tuple[int, int]:
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        return sum(sizes[:shard_id]), sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard_id=None) -> None:
+        if shard_id is None:
+            return super().weight_loader(param, loaded, name)
+        offset, size = self.shard_offset_and_size(shard_id)
+        copy_checked(param.data.narrow(0, offset, size), self._rank_part(loaded, 0), name)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections in one matrix; shard ids 'q', 'k', 'v'."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        self.head_dim = head_dim
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+
+    def shard_offset_and_size(self, shard_id) -> tuple[int, int]:
+        return super().shard_offset_and_size("qkv".index(shard_id))

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Sets up a virtual environment from scratch and runs every CPU test: the PyTorch paths,
+# then the Triton kernels through Triton's interpreter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+# torch==2.13.0 is a CPU build; an unpinned torch would pull a multi-GB CUDA build.
+pip install -q torch==2.13.0 triton==3.6.0 transformers==5.17.0
+pip install -q -e '.[test]'
+python -m pytest -q -m "not triton_interpret"
+TRITON_INTERPRET=1 python -m pytest -q -m triton_interpret

@@ -1,0 +1,148 @@
+"""The request-level engine: validates and tokenizes prompts, queues them, and runs steps of
+schedule -> forward + sample -> record until every request is done."""
+import itertools
+import json
+import os
+import time
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or None for a folder without one (dummy-weight benchmarks),
+    where prompts must be token ids."""
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(config: Config, tokenizer) -> list[int]:
+    ids = set(config.hf_config.eos_token_id)
+    generation_config = os.path.join(config.model, "generation_config.json")
+    if os.path.isfile(generation_config):
+        with open(generation_config) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class LLMEngine:
+    def __init__(self, model: str, **engine_args):
+        self.config = Config(model, **engine_args)
+        self.tokenizer = load_tokenizer(model)
+        self.model_runner = ModelRunner(self.config)
+        self.scheduler = Scheduler(self.config, eos_token_ids(self.config, self.tokenizer),
+                                   self.model_runner.num_kvcache_blocks)
+        self._request_ids = itertools.count()
+        self.last_step_tokens = (0, 0)  # (prefill, decode) tokens computed by the last step
+
+    # --- requests --------------------------------------------------------------------------
+    def _prompt_token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model folder has no tokenizer; pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt: is empty")
+        vocab = self.config.hf_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens exceed max_model_len={self.config.max_model_len}")
+        return token_ids
+
+    def _new_sequence(self, prompt, params: SamplingParams | None) -> Sequence:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        return Sequence(next(self._request_ids), self._prompt_token_ids(prompt), params)
+
+    def add_request(self, prompt, params: SamplingParams | None = None) -> int:
+        """Queues one prompt (a string or token ids); returns its request id."""
+        seq = self._new_sequence(prompt, params)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drops a request and frees its cache blocks; False if it is not queued or running."""
+        return self.scheduler.abort(request_id) is not None
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    # --- steps -------------------------------------------------------------------------------
+    def step(self) -> list[dict]:
+        """Runs one batch. Returns an output for every request that received a token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("scheduler produced an empty step while requests are pending")
+        self.last_step_tokens = self._count_tokens(batch)
+        sampled = self.model_runner.run(batch)
+        self.scheduler.postprocess(batch, sampled)
+        return [self._output(seq) for seq in batch.seqs if seq.request_id in sampled]
+
+    @staticmethod
+    def _count_tokens(batch: ScheduledBatch) -> tuple[int, int]:
+        decode = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                     if seq.num_computed_tokens >= seq.num_prompt_tokens)
+        return sum(batch.num_new_tokens) - decode, decode
+
+    def _output(self, seq: Sequence) -> dict:
+        finished = seq.is_finished
+        return {"request_id": seq.request_id, "token_ids": seq.output_token_ids, "new_token_id": seq.token_ids[-1],
+                "finished": finished, "finish_reason": seq.finish_reason,
+                "text": self.decode(seq.output_token_ids) if finished else ""}
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
+        """Runs every prompt to completion; outputs in input order. All prompts are checked
+        before any is queued, so a bad one leaves the engine untouched."""
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError("sampling_params: needs one entry per prompt")
+        else:
+            sampling_params = [sampling_params] * len(prompts)
+        seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        outputs = {}
+        with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while not self.is_finished():
+                started = time.perf_counter()
+                for out in self.step():
+                    if out["finished"]:
+                        outputs[out["request_id"]] = out
+                        bar.update(1)
+                self._show_throughput(bar, time.perf_counter() - started)
+        return [{key: outputs[seq.request_id][key] for key in ("text", "token_ids", "finish_reason")} for seq in seqs]
+
+    def _show_throughput(self, bar, seconds: float) -> None:
+        prefill, decode = self.last_step_tokens
+        if prefill:
+            self._prefill_rate = prefill / seconds
+        if decode:
+            self._decode_rate = decode / seconds
+        bar.set_postfix_str(f"prefill {getattr(self, '_prefill_rate', 0):.0f} tok/s, "
+                            f"decode {getattr(self, '_decode_rate', 0):.0f} tok/s", refresh=False)
+
+    def memory_stats(self) -> dict:
+        manager = self.scheduler.block_manager
+        total = len(manager.blocks)
+        return {"kv_blocks_total": total, "kv_blocks_used": total - manager.num_free_blocks,
+                "kv_blocks_free": manager.num_free_blocks, "prefix_cache_hit_blocks": manager.prefix_cache_hit_blocks,
+                "kv_block_size": manager.block_size, **self.model_runner.memory_stats()}

@@ -1,0 +1,230 @@
+"""Owns the model and its KV cache on one device: builds and loads the model, sizes the cache,
+turns a scheduled batch into tensors, runs the forward pass (a captured CUDA graph for decode
+batches) and samples."""
+import torch
+
+from nanovllm import kernels
+from nanovllm.config import CPU_KV_CACHE_BYTES, Config
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models.qwen3 import MODEL_REGISTRY
+from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.loader import init_dummy_weights, load_model
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        self.config = config
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.block_size = config.kvcache_block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.pin = self.device.type == "cuda"
+        self.model = self._build_model()
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_batch_sizes: list[int] = []
+        if self.device.type == "cuda" and not config.enforce_eager and kernels.graph_capturable(self.device):
+            self._capture_decode_graphs()
+
+    # --- building -----------------------------------------------------------------------
+    def _build_model(self):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = MODEL_REGISTRY[self.config.hf_config.architecture](self.config.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if self.config.load_format == "dummy":
+            init_dummy_weights(model)
+        else:
+            load_model(model, self.config.model)
+        return model.eval()
+
+    def block_bytes(self) -> int:
+        hf = self.config.hf_config
+        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * self.dtype.itemsize
+        return per_token * self.block_size
+
+    def _allocate_kv_cache(self) -> int:
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks <= 0:
+            num_blocks = self._blocks_from_gpu_memory() if self.device.type == "cuda" else self._cpu_default_blocks()
+        if num_blocks < self.max_blocks_per_seq:
+            raise ValueError(f"num_kvcache_blocks: {num_blocks} blocks of {self.block_size} tokens cannot hold "
+                             f"one sequence of max_model_len={self.config.max_model_len} tokens")
+        self._bind_kv_cache(num_blocks)
+        return num_blocks
+
+    def _cpu_default_blocks(self) -> int:
+        """A CPU_KV_CACHE_BYTES budget, but no more than max_num_seqs full-length sequences use."""
+        needed = self.config.max_num_seqs * self.max_blocks_per_seq
+        return max(1, min(CPU_KV_CACHE_BYTES // self.block_bytes(), needed))
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
+        hf = self.config.hf_config
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, hf.num_key_value_heads, hf.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _blocks_from_gpu_memory(self) -> int:
+        """Runs the largest step the scheduler can produce (with a temporary cache just large
+        enough for it), then gives the cache what is left of gpu_memory_utilization."""
+        seq_len = self.config.max_model_len
+        num_seqs = max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
+        warmup_blocks = num_seqs * self.max_blocks_per_seq
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._bind_kv_cache(warmup_blocks)
+        self._warmup(num_seqs, min(seq_len, self.config.max_num_batched_tokens))
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.numel() * self.dtype.itemsize
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        weights_and_others = total - free
+        budget = total * self.config.gpu_memory_utilization - weights_and_others - peak_activations
+        return int(budget // self.block_bytes())
+
+    @torch.inference_mode()
+    def _warmup(self, num_seqs: int, seq_len: int) -> None:
+        tokens = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        blocks = torch.arange(num_seqs * self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        set_context(cu_seqlens_q=torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=self.device),
+                    seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
+                    block_tables=blocks.view(num_seqs, -1), max_seqlen_q=seq_len,
+                    slot_mapping=(blocks.view(num_seqs, -1)[:, :, None] * self.block_size
+                                  + torch.arange(self.block_size, device=self.device)).flatten(1)[:, :seq_len].flatten())
+        hidden = self.model(tokens, positions)
+        self.model.compute_logits(hidden[-num_seqs:])
+        reset_context()
+
+    # --- one step -------------------------------------------------------------------------
+    def _to_device(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=self.pin).to(self.device, non_blocking=True)
+
+    def _slots(self, seq, start: int, end: int) -> list[int]:
+        """Cache slots of the sequence's tokens [start, end), one block's run at a time."""
+        slots, size = [], self.block_size
+        for index in range(start // size, (end - 1) // size + 1):
+            base = seq.block_table[index] * size - index * size
+            slots.extend(range(base + max(start, index * size), base + min(end, (index + 1) * size)))
+        return slots
+
+    def prepare(self, batch: ScheduledBatch):
+        input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, sample_rows = [], [], [], [0], [], []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(seq, start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
+            seq_lens.append(end)
+            if end == len(seq):
+                sample_rows.append(len(seq_lens) - 1)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in batch.seqs]
+        return dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q,
+                    seq_lens=seq_lens, block_tables=block_tables, max_seqlen_q=max(batch.num_new_tokens),
+                    sample_rows=sample_rows)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[int, int]:
+        """One forward pass; returns the sampled token of each sequence that finished its prompt
+        or decoded, by request id."""
+        step = self.prepare(batch)
+        if step["max_seqlen_q"] == 1 and self.graphs and len(batch) <= self.graph_batch_sizes[-1]:
+            hidden = self._replay_decode_graph(step)
+        else:
+            hidden = self._run_eager(step)
+        if not step["sample_rows"]:
+            return {}
+        last_rows = [step["cu_seqlens_q"][row + 1] - 1 for row in step["sample_rows"]]
+        logits = self.model.compute_logits(hidden[self._to_device(last_rows, torch.long)])
+        seqs = [batch.seqs[row] for row in step["sample_rows"]]
+        tokens = self.sampler(logits, *self._sampling_tensors(seqs)).tolist()
+        return {seq.request_id: token for seq, token in zip(seqs, tokens)}
+
+    def _run_eager(self, step) -> torch.Tensor:
+        set_context(cu_seqlens_q=self._to_device(step["cu_seqlens_q"], torch.int32),
+                    seq_lens=self._to_device(step["seq_lens"], torch.int32),
+                    block_tables=self._to_device(step["block_tables"], torch.int32),
+                    slot_mapping=self._to_device(step["slot_mapping"], torch.long),
+                    max_seqlen_q=step["max_seqlen_q"])
+        hidden = self.model(self._to_device(step["input_ids"], torch.long),
+                            self._to_device(step["positions"], torch.long))
+        reset_context()
+        return hidden
+
+    def _sampling_tensors(self, seqs):
+        temperatures = self._to_device([s.params.temperature for s in seqs], torch.float32)
+        top_ks = top_ps = None
+        if any(s.params.top_k != -1 or s.params.top_p < 1 for s in seqs):
+            vocab = self.config.hf_config.vocab_size
+            top_ks = self._to_device([s.params.top_k if s.params.top_k != -1 else vocab for s in seqs], torch.long)
+            top_ps = self._to_device([s.params.top_p for s in seqs], torch.float32)
+        generators = {row: self._generator(seq) for row, seq in enumerate(seqs) if seq.params.seed is not None}
+        return temperatures, top_ks, top_ps, generators
+
+    def _generator(self, seq) -> torch.Generator:
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return seq.generator
+
+    # --- CUDA graphs for decode -------------------------------------------------------------
+    def _capture_decode_graphs(self) -> None:
+        max_bs = min(self.config.max_num_seqs, 512)
+        self.graph_batch_sizes = sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})
+        device = self.device
+        self.graph_inputs = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.long, device=device),
+            positions=torch.zeros(max_bs, dtype=torch.long, device=device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.long, device=device),
+            seq_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+        )
+        self.graph_output = torch.zeros(max_bs, self.config.hf_config.hidden_size, dtype=self.dtype, device=device)
+        pool = None
+        for size in reversed(self.graph_batch_sizes):
+            graph = torch.cuda.CUDAGraph()
+            self._decode_forward(size)  # compiles kernels and settles allocations outside capture
+            with torch.cuda.graph(graph, pool):
+                self._decode_forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        reset_context()
+
+    def _decode_forward(self, size: int) -> None:
+        g = self.graph_inputs
+        set_context(cu_seqlens_q=g["cu_seqlens_q"][:size + 1], seq_lens=g["seq_lens"][:size],
+                    block_tables=g["block_tables"][:size], slot_mapping=g["slot_mapping"][:size], max_seqlen_q=1)
+        self.graph_output[:size] = self.model(g["input_ids"][:size], g["positions"][:size])
+
+    def _replay_decode_graph(self, step) -> torch.Tensor:
+        batch_size = len(step["seq_lens"])
+        size = next(s for s in self.graph_batch_sizes if s >= batch_size)
+        g = self.graph_inputs
+        # Padding rows have seq_len 0 and slot -1: they read no keys and write nowhere.
+        g["slot_mapping"][batch_size:size].fill_(-1)
+        g["seq_lens"][batch_size:size].zero_()
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+            dtype = g[name].dtype
+            g[name][:batch_size].copy_(self._to_device(step[name], dtype), non_blocking=True)
+        tables = self._to_device(step["block_tables"], torch.int32)
+        g["block_tables"][:batch_size, :tables.shape[1]].copy_(tables, non_blocking=True)
+        self.graphs[size].replay()
+        return self.graph_output[:batch_size]
+
+    def memory_stats(self) -> dict:
+        stats = {"kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
+        if self.device.type == "cuda":
+            stats.update(device_allocated_bytes=torch.cuda.memory_allocated(self.device),
+                         device_reserved_bytes=torch.cuda.memory_reserved(self.device),
+                         device_peak_bytes=torch.cuda.max_memory_allocated(self.device))
+        return stats

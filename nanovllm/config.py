@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Without a GPU the cache gets this many bytes unless num_kvcache_blocks says otherwise.
 CPU_KV_CACHE_BYTES = 2 << 30
 
@@ -57,7 +57,7 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases; Qwen3 has them only when attention_bias says so.
             attention_bias=architecture == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             qk_norm=architecture == "Qwen3ForCausalLM",
-            torch_dtype=_DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"), torch.bfloat16),
+            torch_dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"), torch.bfloat16),
             eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
         )
 
@@ -114,9 +114,9 @@ class Config:
             # fp32 checkpoints run in bf16 on a GPU, as vLLM does; the CPU keeps the checkpoint's dtype.
             native = self.hf_config.torch_dtype
             return torch.bfloat16 if native == torch.float32 and self.torch_device.type == "cuda" else native
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
 
 
 def resolve_device(device: str) -> torch.device:

@@ -24,6 +24,7 @@ class Scheduler:
     def __init__(self, config: Config, eos_token_ids: list[int], num_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -101,7 +102,7 @@ class Scheduler:
         token = seq.token_ids[-1]
         if not seq.params.ignore_eos and token in self.eos_token_ids or token in seq.params.stop_token_ids:
             self.finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.params.max_tokens:
+        elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
             self.finish(seq, "length")
         return seq.is_finished
 

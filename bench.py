@@ -1,0 +1,205 @@
+"""Throughput of LLM.generate() on nano-vllm's published workload: 256 sequences, prompts of
+100-1024 random token ids, 100-1024 output tokens each, ignore_eos, temperature 0.6, on the
+Qwen3-0.6B architecture with random (dummy) bf16 weights. No download, no arguments needed.
+
+Without a GPU the defaults shrink to a small Qwen3-shaped model and workload (under a minute
+on 2 CPU cores). --profile writes a torch.profiler trace of a few prefill and decode steps;
+--compare-hf runs the same prompts through Hugging Face transformers in the same run."""
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import DTYPES
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanovllm", "configs")
+GPU_DEFAULTS = dict(model=os.path.join(CONFIGS, "qwen3-0.6b"), num_seqs=256, min_input_len=100,
+                    max_input_len=1024, min_output_len=100, max_output_len=1024)
+CPU_DEFAULTS = dict(model=os.path.join(CONFIGS, "qwen3-tiny"), num_seqs=16, min_input_len=32,
+                    max_input_len=256, min_output_len=16, max_output_len=64)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint folder (default: packaged config with dummy weights)")
+    parser.add_argument("--num-seqs", type=int)
+    parser.add_argument("--min-input-len", type=int)
+    parser.add_argument("--max-input-len", type=int)
+    parser.add_argument("--min-output-len", type=int)
+    parser.add_argument("--max-output-len", type=int)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="write profile_trace.json and profile_report.txt")
+    parser.add_argument("--compare-hf", action="store_true", help="also run Hugging Face transformers")
+    parser.add_argument("--out", default="bench_out", help="folder for the profile and the JSON results")
+    return parser.parse_args()
+
+
+def apply_defaults(args) -> bool:
+    """Fills unset workload flags for the device; returns whether the packaged config is used."""
+    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    dummy = args.model is None
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.dtype == "auto" and dummy:
+        args.dtype = "bfloat16" if on_gpu else "float32"
+    if not on_gpu:
+        print("No GPU: using the small CPU workload "
+              f"({args.num_seqs} sequences, model {os.path.basename(args.model)}).")
+    return dummy
+
+
+def make_workload(args):
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=random.randint(args.min_output_len, args.max_output_len))
+              for _ in range(args.num_seqs)]
+    return prompts, params
+
+
+def versions() -> dict:
+    import transformers
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def device_name(llm) -> str:
+    device = llm.config.torch_device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def timed_generate(llm, prompts, params) -> tuple[int, float]:
+    sync(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    sync(llm)
+    return sum(len(o["token_ids"]) for o in outputs), time.perf_counter() - start
+
+
+def sync(llm) -> None:
+    if llm.config.torch_device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def profile_steps(llm, prompts, params, out_dir: str, decode_steps: int = 8) -> None:
+    """Profiles the first steps of a few requests: their prefill, then `decode_steps` decodes."""
+    on_cuda = llm.config.torch_device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts[:8], params[:8])]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(decode_steps + 1):
+            with torch.profiler.record_function("nanovllm.step"):
+                llm.step()
+        sync(llm)
+    for request_id in ids:
+        llm.abort(request_id)
+    trace, report = os.path.join(out_dir, "profile_trace.json"), os.path.join(out_dir, "profile_report.txt")
+    prof.export_chrome_trace(trace)
+    sort_by = "device_time_total" if on_cuda else "cpu_time_total"
+    with open(report, "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort_by, row_limit=50))
+    print(f"profile trace: {trace}\nprofile report: {report}")
+
+
+def save_hf_checkpoint(config_dir: str, dtype: torch.dtype) -> str:
+    """A real checkpoint with random weights, so both engines run the same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    path = tempfile.mkdtemp(prefix="nanovllm_bench_")
+    model.save_pretrained(path)
+    return path
+
+
+def run_hf(model_dir: str, prompts, params, device: torch.device, dtype: torch.dtype) -> dict:
+    """transformers on the same prompts: its continuous-batching API where it exists, else
+    batched generate with left padding (every row generates the longest output length)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    max_new = max(p.max_tokens for p in params)
+    config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, max_new_tokens=max_new,
+                              eos_token_id=-1, pad_token_id=0)
+    if hasattr(model, "generate_batch") and device.type == "cuda":
+        start = time.perf_counter()
+        outputs = model.generate_batch(inputs=prompts, generation_config=config)
+        torch.cuda.synchronize()
+        tokens = sum(len(o.generated_tokens) for o in outputs.values())
+        return {"method": "generate_batch (continuous batching)", "tokens": tokens,
+                "seconds": time.perf_counter() - start}
+    return _run_hf_padded(model, prompts, config, device)
+
+
+@torch.inference_mode()
+def _run_hf_padded(model, prompts, config, device) -> dict:
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    start = time.perf_counter()
+    out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config,
+                         min_new_tokens=config.max_new_tokens)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    tokens = (out.shape[1] - longest) * out.shape[0]
+    return {"method": "generate (static batch, left padding)", "tokens": tokens, "seconds": time.perf_counter() - start}
+
+
+def main():
+    args = parse_args()
+    dummy = apply_defaults(args)
+    os.makedirs(args.out, exist_ok=True)
+    prompts, params = make_workload(args)
+    model_dir, load_format, checkpoint = args.model, "dummy" if dummy else "auto", None
+    if args.compare_hf and dummy:
+        checkpoint = model_dir = save_hf_checkpoint(args.model, DTYPES[args.dtype])
+        load_format = "auto"
+    max_len = args.max_input_len + args.max_output_len
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+              load_format=load_format, max_model_len=max_len)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    tokens, seconds = timed_generate(llm, prompts, params)
+    prompt_tokens = sum(len(p) for p in prompts)
+    result = {"engine": "nanovllm", "device": device_name(llm), "dtype": str(llm.config.torch_dtype),
+              "model": os.path.basename(os.path.normpath(args.model)), "num_seqs": len(prompts),
+              "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_per_s": round(tokens / seconds, 1),
+              "total_tok_per_s": round((tokens + prompt_tokens) / seconds, 1),
+              "enforce_eager": args.enforce_eager, **versions(), "date": time.strftime("%Y-%m-%d")}
+    print(f"Generated {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} output tok/s, "
+          f"{(tokens + prompt_tokens) / seconds:.1f} total tok/s")
+    if args.profile:
+        profile_steps(llm, prompts, params, args.out)
+    if args.compare_hf:
+        device, dtype = llm.config.torch_device, llm.config.torch_dtype
+        del llm
+        hf = run_hf(model_dir, prompts, params, device, dtype)
+        hf_rate = hf["tokens"] / hf["seconds"]
+        result["hf"] = {**hf, "output_tok_per_s": round(hf_rate, 1)}
+        result["speedup_vs_hf"] = round(result["output_tok_per_s"] / hf_rate, 2)
+        print(f"transformers [{hf['method']}]: {hf['tokens']} tokens in {hf['seconds']:.2f} s: "
+              f"{hf_rate:.1f} tok/s; nanovllm is {result['speedup_vs_hf']:.2f}x")
+    if checkpoint:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    with open(os.path.join(args.out, "bench_result.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

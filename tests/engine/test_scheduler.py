@@ -1,0 +1,145 @@
+"""Property tests of the scheduler and block manager on random workloads, with a fake model
+that samples random tokens: every request ends with the right number of tokens, nothing is
+lost or duplicated, no block leaks and every reference count returns to zero."""
+import random
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def make_scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching, max_model_len):
+    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             kvcache_block_size=block_size, enable_prefix_caching=prefix_caching,
+                             max_model_len=max_model_len)
+    return Scheduler(config, [EOS], num_blocks)
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    manager = scheduler.block_manager
+    holders = {}
+    for seq in scheduler.running:
+        assert len(seq.block_table) * manager.block_size >= seq.num_computed_tokens
+        for block_id in seq.block_table:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for seq in scheduler.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+    for block in manager.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0)
+        assert (block.ref_count == 0) == (block.block_id in manager.free_block_ids)
+
+
+def check_batch(scheduler: Scheduler, batch) -> None:
+    assert len(batch) <= scheduler.max_num_seqs
+    assert sum(batch.num_new_tokens) <= scheduler.max_num_batched_tokens
+    assert len({seq.request_id for seq in batch.seqs}) == len(batch)
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        assert 1 <= num_new <= seq.num_uncomputed_tokens()
+        assert len(seq.block_table) * scheduler.block_manager.block_size >= seq.num_computed_tokens + num_new
+
+
+def fake_sample(batch, rng) -> dict[int, int]:
+    return {seq.request_id: rng.randrange(1, 50) if rng.random() > 0.03 else EOS
+            for seq, num_new in zip(batch.seqs, batch.num_new_tokens)
+            if seq.num_computed_tokens + num_new == len(seq)}
+
+
+workloads = st.fixed_dictionaries({
+    "seed": st.integers(0, 10**6),
+    "block_size": st.sampled_from([1, 2, 4, 8, 16]),
+    "extra_blocks": st.integers(0, 40),
+    "max_num_seqs": st.integers(1, 8),
+    "max_num_batched_tokens": st.integers(1, 64),
+    "prefix_caching": st.booleans(),
+    "num_requests": st.integers(1, 12),
+    "abort_rate": st.sampled_from([0.0, 0.05, 0.2]),
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(workloads)
+def test_random_workloads_finish_without_leaks(w):
+    rng = random.Random(w["seed"])
+    max_model_len = 48
+    num_blocks = -(-max_model_len // w["block_size"]) + w["extra_blocks"]
+    scheduler = make_scheduler(num_blocks, w["block_size"], w["max_num_seqs"], w["max_num_batched_tokens"],
+                               w["prefix_caching"], max_model_len)
+    shared_prefix = [rng.randrange(1, 50) for _ in range(20)]
+    seqs = {}
+    for request_id in range(w["num_requests"]):
+        prompt = shared_prefix[:rng.randrange(0, 20)] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 20))]
+        params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
+        seqs[request_id] = Sequence(request_id, prompt, params)
+        scheduler.add(seqs[request_id])
+    finished, aborted, steps = set(), set(), 0
+    while not scheduler.is_finished():
+        steps += 1
+        assert steps < 10_000, "scheduler made no progress"
+        batch = scheduler.schedule()
+        assert len(batch) > 0
+        check_batch(scheduler, batch)
+        for seq in scheduler.postprocess(batch, fake_sample(batch, rng)):
+            assert seq.request_id not in finished
+            finished.add(seq.request_id)
+        check_invariants(scheduler)
+        if rng.random() < w["abort_rate"] and (scheduler.running or scheduler.waiting):
+            victim = rng.choice([*scheduler.running, *scheduler.waiting])
+            assert scheduler.abort(victim.request_id) is victim
+            aborted.add(victim.request_id)
+            check_invariants(scheduler)
+    assert finished | aborted == set(seqs) and not finished & aborted
+    for request_id in finished:
+        seq = seqs[request_id]
+        assert 1 <= seq.num_output_tokens <= seq.params.max_tokens
+        if seq.finish_reason == "length":
+            assert seq.num_output_tokens == seq.params.max_tokens or len(seq) == max_model_len
+        else:
+            assert seq.finish_reason == "stop" and not seq.params.ignore_eos and seq.token_ids[-1] == EOS
+    manager = scheduler.block_manager
+    assert manager.num_free_blocks == num_blocks
+    assert all(block.ref_count == 0 for block in manager.blocks)
+
+
+def test_preemption_keeps_generated_tokens_and_recomputes():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                               prefix_caching=False, max_model_len=16)
+    a = Sequence(0, [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    b = Sequence(1, [9, 8, 7, 6, 5, 4, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    scheduler.add(a)
+    scheduler.add(b)
+    rng = random.Random(0)
+    while scheduler.num_preemptions == 0:
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, fake_sample(batch, rng))
+    assert b in scheduler.waiting and b.num_output_tokens > 0 and b.num_computed_tokens == 0
+    generated = list(b.output_token_ids)
+    while not scheduler.is_finished():
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, fake_sample(batch, rng))
+    assert b.output_token_ids[:len(generated)] == generated and b.num_output_tokens == 8
+
+
+def test_prefix_cache_hit_requires_equal_tokens(monkeypatch):
+    """Two different blocks with the same hash (a forced collision) must not be shared."""
+    import nanovllm.engine.block_manager as bm
+    monkeypatch.setattr(bm, "chain_hash", lambda tokens, prefix: 1234)
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                               prefix_caching=True, max_model_len=16)
+    first = Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
+    scheduler.add(first)
+    batch = scheduler.schedule()
+    scheduler.postprocess(batch, {0: 7})
+    second = Sequence(1, [4, 3, 2, 1, 5], SamplingParams(max_tokens=1))
+    scheduler.add(second)
+    scheduler.schedule()
+    assert scheduler.block_manager.prefix_cache_hit_blocks == 0 and second.num_computed_tokens == 0
+    third = Sequence(2, [1, 2, 3, 4, 6], SamplingParams(max_tokens=1))
+    scheduler.add(third)
+    scheduler.schedule()
+    assert scheduler.block_manager.prefix_cache_hit_blocks == 1 and third.num_computed_tokens == 4

@@ -23,30 +23,38 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def _target(model: nn.Module, name: str) -> tuple[str, object]:
-    """The parameter a checkpoint tensor fills, and its shard id in a merged parameter."""
+def checkpoint_names(model: nn.Module, remove_duplicate: bool = True) -> dict[str, tuple[str, object]]:
+    """Checkpoint tensor name -> (model parameter, shard id) for every tensor the model takes.
+    Merged parameters (qkv_proj, gate_up_proj) take one tensor per shard."""
+    pieces = {}
     for fragment, (merged, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
-        if f".{fragment}." in name:
-            return name.replace(f".{fragment}.", f".{merged}."), shard_id
-    return name, None
+        pieces.setdefault(merged, []).append((fragment, shard_id))
+    names = {}
+    for param_name, _ in model.named_parameters(remove_duplicate=remove_duplicate):
+        merged = next((m for m in pieces if f".{m}." in param_name), None)
+        for fragment, shard_id in pieces.get(merged, [(None, None)]):
+            source = param_name.replace(f".{merged}.", f".{fragment}.") if merged else param_name
+            names[source] = (param_name, shard_id)
+    return names
 
 
 def load_model(model: nn.Module, model_dir: str) -> None:
+    """Errors name the checkpoint tensor: missing, unexpected or of the wrong shape."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = {(name, shard) for name, shard in _expected_pieces(model, params)}
+    # Tied parameters appear once in `required` but may also come under their other names.
+    accepted, required = checkpoint_names(model, remove_duplicate=False), set(checkpoint_names(model))
     loaded = set()
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                target, shard_id = _target(model, name)
-                if target not in params:
+                if name not in accepted:
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
-                _load_one(params[target], f.get_tensor(name), name, shard_id)
-                loaded.add((target, shard_id))
-    missing = expected - loaded - _tied_pieces(model, loaded)
+                param_name, shard_id = accepted[name]
+                _load_one(params[param_name], f.get_tensor(name), name, shard_id)
+                loaded.add(name)
+    missing = sorted(required - loaded - _aliases_of(model, loaded, accepted))
     if missing:
-        names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
-        raise ValueError(f"model: checkpoint lacks tensors for {', '.join(names[:8])}")
+        raise ValueError(f"model: checkpoint lacks tensor(s) {', '.join(missing[:8])}")
 
 
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, name: str, shard_id) -> None:
@@ -57,26 +65,12 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, name: str, shard_id) ->
         loader(param, tensor, name, shard_id)
 
 
-def _expected_pieces(model: nn.Module, params: dict):
-    """Every (parameter, shard) a complete checkpoint must provide."""
-    merged = {}
-    for merged_name, shard_id in getattr(model, "packed_modules_mapping", {}).values():
-        merged.setdefault(merged_name, []).append(shard_id)
-    for name in params:
-        shards = next((ids for m, ids in merged.items() if f".{m}." in name), [None])
-        yield from ((name, shard) for shard in shards)
-
-
-def _tied_pieces(model: nn.Module, loaded: set) -> set:
-    """Parameters shared with one that was loaded count as loaded (tied embeddings)."""
-    by_identity = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_identity.setdefault(id(param), []).append(name)
-    tied = set()
-    for names in by_identity.values():
-        if any((n, None) in loaded for n in names):
-            tied.update((n, None) for n in names)
-    return tied
+def _aliases_of(model: nn.Module, loaded: set, accepted: dict) -> set:
+    """Required names satisfied through a tied parameter loaded under another name."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded_ids = {id(params[accepted[name][0]]) for name in loaded if accepted[name][1] is None}
+    return {name for name, (param_name, shard) in accepted.items()
+            if shard is None and id(params[param_name]) in loaded_ids}
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

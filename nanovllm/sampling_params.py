@@ -14,9 +14,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens: must be an integer, got {self.max_tokens!r}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"top_k: must be an integer, got {self.top_k!r}")
+        if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # also rejects NaN
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k: must be -1 (off) or >= 1, got {self.top_k}")

@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 # torch==2.13.0 is a CPU build; an unpinned torch would pull a multi-GB CUDA build.
-pip install -q torch==2.13.0 triton==3.6.0 transformers==5.17.0
+# numpy<2.4: Triton 3.6's interpreter fails on runtime loop bounds with NumPy 2.4
+# (triton-lang/triton#9171, fixed after 3.6).
+pip install -q torch==2.13.0 triton==3.6.0 transformers==5.17.0 "numpy<2.4"
 pip install -q -e '.[test]'
 python -m pytest -q -m "not triton_interpret"
 TRITON_INTERPRET=1 python -m pytest -q -m triton_interpret

@@ -2,6 +2,7 @@
 schedule -> forward + sample -> record until every request is done."""
 import itertools
 import json
+import operator
 import os
 import time
 
@@ -45,6 +46,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, eos_token_ids(self.config, self.tokenizer),
                                    self.model_runner.num_kvcache_blocks)
         self._request_ids = itertools.count()
+        # Outputs of online requests that finished inside generate(), for the next step() call.
+        self._undelivered: list[dict] = []
         self.last_step_tokens = (0, 0)  # (prefill, decode) tokens computed by the last step
 
     # --- requests --------------------------------------------------------------------------
@@ -54,11 +57,11 @@ class LLMEngine:
                 raise ValueError("prompt: this model folder has no tokenizer; pass token ids")
             token_ids = self.tokenizer.encode(prompt)
         else:
-            token_ids = list(prompt)
+            token_ids = [_as_int(t) for t in prompt]
         if not token_ids:
             raise ValueError("prompt: is empty")
         vocab = self.config.hf_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+        if not all(0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         if len(token_ids) > self.config.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens exceed max_model_len={self.config.max_model_len}")
@@ -81,11 +84,16 @@ class LLMEngine:
         return self.scheduler.abort(request_id) is not None
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and not self._undelivered
 
     # --- steps -------------------------------------------------------------------------------
     def step(self) -> list[dict]:
-        """Runs one batch. Returns an output for every request that received a token."""
+        """Runs one batch. Returns an output for every request that received a token (and for
+        online requests that finished while generate() ran)."""
+        undelivered, self._undelivered = self._undelivered, []
+        return undelivered + (self._step() if not self.scheduler.is_finished() else [])
+
+    def _step(self) -> list[dict]:
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("scheduler produced an empty step while requests are pending")
@@ -112,6 +120,8 @@ class LLMEngine:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
         """Runs every prompt to completion; outputs in input order. All prompts are checked
         before any is queued, so a bad one leaves the engine untouched."""
+        if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], (str, list, tuple))):
+            prompts = [prompts]  # one prompt, a string or a list of token ids
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError("sampling_params: needs one entry per prompt")
@@ -120,12 +130,14 @@ class LLMEngine:
         seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
         for seq in seqs:
             self.scheduler.add(seq)
-        outputs = {}
+        outputs, own = {}, {seq.request_id for seq in seqs}
         with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while not self.is_finished():
+            while not self.scheduler.is_finished():
                 started = time.perf_counter()
-                for out in self.step():
-                    if out["finished"]:
+                for out in self._step():
+                    if out["request_id"] not in own:
+                        self._undelivered.append(out)
+                    elif out["finished"]:
                         outputs[out["request_id"]] = out
                         bar.update(1)
                 self._show_throughput(bar, time.perf_counter() - started)
@@ -145,4 +157,13 @@ class LLMEngine:
         total = len(manager.blocks)
         return {"kv_blocks_total": total, "kv_blocks_used": total - manager.num_free_blocks,
                 "kv_blocks_free": manager.num_free_blocks, "prefix_cache_hit_blocks": manager.prefix_cache_hit_blocks,
-                "kv_block_size": manager.block_size, **self.model_runner.memory_stats()}
+                "kv_block_size": manager.block_size, "num_preemptions": self.scheduler.num_preemptions,
+                **self.model_runner.memory_stats()}
+
+
+def _as_int(token) -> int:
+    """A token id of any integer type (int, numpy or torch integers)."""
+    try:
+        return operator.index(token)
+    except TypeError:
+        raise ValueError(f"prompt: token ids must be integers, got {token!r}") from None

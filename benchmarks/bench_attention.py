@@ -1,0 +1,330 @@
+"""Benchmarks nanovllm's Triton paged attention on one GPU in bf16 (issue #4): prefill against
+PyTorch SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path,
+block-size and tile sweeps, compile time. Every configuration is checked against the PyTorch
+reference before it is timed. Writes bench_attention.json and bench_attention.md into --out.
+
+    python benchmarks/bench_attention.py --out DIR
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HEADS, HEAD_DIM = (16, 8), 128
+PREFILL = dict(name="prefill 8 x 2048", query_lens=[2048] * 8, seq_lens=[2048] * 8)
+DECODES = [dict(name="decode 256 x 1024", query_lens=[1] * 256, seq_lens=[1024] * 256),
+           dict(name="decode 1 x 32768", query_lens=[1], seq_lens=[32768])]
+# Same shape classes as above with other token counts: must reuse the compiled kernels.
+SECOND_CALLS = [dict(name="prefill 7 x 1500", query_lens=[1500] * 7, seq_lens=[1500] * 7),
+                dict(name="decode 255 x 1000", query_lens=[1] * 255, seq_lens=[1000] * 255),
+                dict(name="decode 1 x 30000", query_lens=[1], seq_lens=[30000])]
+BLOCK_SIZES = [16, 32, 64, 128, 256]
+# (block_m, block_n, num_warps, num_stages) tried next to the defaults: each compiled offline for sm_90
+# within shared memory and without register spills. Stages count past the block-table load, which
+# takes one, so 5 stages give K/V tiles two buffers.
+PREFILL_TILES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 5), (64, 64, 4, 3), (128, 32, 8, 4)]
+DECODE_TILES = [(16, 64, 4, 5), (16, 32, 4, 5), (16, 128, 4, 3), (16, 64, 8, 3), (16, 128, 8, 2)]
+TOLERANCE = 2e-2  # bf16 output against the fp32 reference, relative Frobenius error
+TARGETS = {"prefill_vs_sdpa": 0.8, "decode_bandwidth_fraction": 0.7, "decode_vs_torch": 3.0}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path, help="directory for bench_attention.{json,md}")
+    parser.add_argument("--block-size", type=int, default=256, help="KV block size of the headline runs")
+    parser.add_argument("--skip-sweeps", action="store_true", help="only the headline runs and compile times")
+    parser.add_argument("--keep-triton-cache", action="store_true",
+                        help="reuse ~/.triton/cache (compile times then measure cache loads)")
+    return parser.parse_args()
+
+
+def log(message: str, _start=time.perf_counter()) -> None:
+    print(f"[{time.perf_counter() - _start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def main():
+    args = parse_args()
+    if not args.keep_triton_cache:  # before triton is imported: first calls must really compile
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="nanovllm-bench-attention-")
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    bench = Bench(args.block_size)
+    results = {"environment": bench.environment()}
+    log("compile times")
+    results["compile"] = bench.compile_times()
+    log("prefill against SDPA")
+    results["prefill"] = bench.prefill()
+    log("decode")
+    results["decode"] = [bench.decode(spec) for spec in DECODES]
+    if not args.skip_sweeps:
+        log("block-size sweep")
+        results["block_size_sweep"] = bench.block_size_sweep()
+        log("tile sweep")
+        results["tile_sweep"] = bench.tile_sweep()
+    log("done")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_attention.json").write_text(json.dumps(results, indent=2))
+    markdown = to_markdown(results)
+    (args.out / "bench_attention.md").write_text(markdown)
+    print(markdown)
+
+
+class Bench:
+    def __init__(self, block_size: int):
+        import torch
+        import triton
+        import triton.testing
+        from nanovllm.kernels import attention, reference
+        self.torch, self.triton, self.attention, self.reference = torch, triton, attention, reference
+        self.block_size = block_size
+        self.device = torch.device("cuda")
+        self.gen = torch.Generator(device=self.device).manual_seed(0)
+        self.copy_gbps = self._copy_bandwidth()
+
+    def time_ms(self, fn) -> float:
+        """Median of CUDA-event timings, L2 flushed before each call."""
+        return self.triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def environment(self) -> dict:
+        torch = self.torch
+        props = torch.cuda.get_device_properties(self.device)
+        return {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                "triton": self.triton.__version__, "copy_bandwidth_GBps": round(self.copy_gbps, 1),
+                "headline_block_size": self.block_size}
+
+    def _copy_bandwidth(self) -> float:
+        src = self.torch.empty(1 << 30, dtype=self.torch.uint8, device=self.device)
+        dst = self.torch.empty_like(src)
+        ms = self.time_ms(lambda: dst.copy_(src))
+        return 2 * src.numel() / ms / 1e6  # read + write
+
+    # --- workloads ---------------------------------------------------------------------------
+
+    def workload(self, spec: dict, block_size: int | None = None) -> dict:
+        """Paged bf16 caches holding every sequence's keys, blocks in random order."""
+        torch = self.torch
+        block_size = block_size or self.block_size
+        num_q_heads, num_kv_heads = HEADS
+        blocks = [math.ceil(n / block_size) for n in spec["seq_lens"]]
+        ids = torch.randperm(sum(blocks), device=self.device, generator=self.gen).to(torch.int32)
+        block_tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device=self.device)
+        taken = 0
+        for i, n in enumerate(blocks):
+            block_tables[i, :n] = ids[taken:taken + n]
+            taken += n
+        cache_shape = (sum(blocks), block_size, num_kv_heads, HEAD_DIM)
+        k_cache, v_cache = (torch.randn(cache_shape, device=self.device, dtype=torch.bfloat16, generator=self.gen)
+                            for _ in range(2))
+        cu_seqlens_q = torch.tensor([0, *spec["query_lens"]], device=self.device).cumsum(0).to(torch.int32)
+        q = torch.randn(int(cu_seqlens_q[-1]), num_q_heads, HEAD_DIM, device=self.device, dtype=torch.bfloat16,
+                        generator=self.gen)
+        seq_lens = torch.tensor(spec["seq_lens"], dtype=torch.int32, device=self.device)
+        return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+                    block_tables=block_tables, max_seqlen_q=max(spec["query_lens"]), scale=HEAD_DIM ** -0.5)
+
+    def run(self, w: dict, config=None):
+        return self.attention.paged_attention(**w, config=config)
+
+    def checked(self, name: str, w: dict, config=None):
+        """The kernel's output, after failing loudly if it differs from the reference."""
+        out = self.run(w, config)
+        ref = self.reference.paged_attention(**w).float()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if not (err < TOLERANCE and self.torch.isfinite(out).all()):
+            raise SystemExit(f"{name} config={config}: relative error {err:.3e} against the reference "
+                             f"(tolerance {TOLERANCE}) -- not timing a wrong kernel")
+        return out
+
+    def compiled_variants(self) -> int:
+        caches = self.attention._paged_attention_kernel.device_caches.values()
+        return sum(len(entry[0]) for entry in caches)
+
+    # --- measurements ------------------------------------------------------------------------
+
+    def compile_times(self) -> list[dict]:
+        """Wall time of the first call of each shape class (compiles), then of a call with other
+        token counts in the same class (must not compile)."""
+        torch = self.torch
+        rows = []
+        for first, second in zip([PREFILL, *DECODES], SECOND_CALLS):
+            for spec, role in ((first, "first call"), (second, "other token count")):
+                w = self.workload(spec)
+                variants = self.compiled_variants()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                self.run(w)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
+                rows.append({"workload": spec["name"], "call": role, "seconds": round(seconds, 4),
+                             "new_variants": self.compiled_variants() - variants})
+        recompiled = [r for r in rows if r["call"] == "other token count" and r["new_variants"]]
+        if recompiled:
+            raise SystemExit(f"a new token count recompiled the kernel: {recompiled}")
+        return rows
+
+    def prefill(self) -> dict:
+        w = self.workload(PREFILL)
+        out = self.checked(PREFILL["name"], w)
+        ms = self.time_ms(lambda: self.run(w))
+        flops = causal_flops(PREFILL["query_lens"], PREFILL["seq_lens"])
+        sdpa = self.sdpa_prefill(w, out)
+        best = min(sdpa.values(), key=lambda r: r["ms"])
+        return {"workload": PREFILL["name"], "ms": ms, "tflops": flops / ms / 1e9, "sdpa": sdpa,
+                "sdpa_best_ms": best["ms"], "speed_vs_sdpa": best["ms"] / ms,
+                "target_speed_vs_sdpa": TARGETS["prefill_vs_sdpa"]}
+
+    def sdpa_prefill(self, w: dict, paged_out) -> dict:
+        """Every SDPA backend that runs on the same data, dense and unpaged."""
+        torch = self.torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        batch, seq = len(PREFILL["seq_lens"]), PREFILL["seq_lens"][0]
+        q = w["q"].view(batch, seq, HEADS[0], HEAD_DIM).transpose(1, 2).contiguous()
+        k, v = (dense_from_paged(c, w["block_tables"], seq).transpose(1, 2).contiguous()
+                for c in (w["k_cache"], w["v_cache"]))
+        group = HEADS[0] // HEADS[1]
+        k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        expected = paged_out.view(batch, seq, HEADS[0], HEAD_DIM).transpose(1, 2).float()
+        flops = causal_flops(PREFILL["query_lens"], PREFILL["seq_lens"])
+        results = {}
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            for gqa in (True, False):  # GQA natively where the backend takes it, else repeated K/V
+                def call(backend=backend, gqa=gqa):
+                    with sdpa_kernel(backend):
+                        if gqa:
+                            return torch.nn.functional.scaled_dot_product_attention(
+                                q, k, v, is_causal=True, scale=w["scale"], enable_gqa=True)
+                        return torch.nn.functional.scaled_dot_product_attention(
+                            q, k_rep, v_rep, is_causal=True, scale=w["scale"])
+                try:
+                    out = call()
+                except RuntimeError:
+                    continue
+                err = ((out.float() - expected).norm() / expected.norm()).item()
+                if err > TOLERANCE:
+                    raise SystemExit(f"SDPA {backend.name} disagrees with the paged kernel: {err:.3e}")
+                ms = self.time_ms(call)
+                results[backend.name] = {"ms": ms, "tflops": flops / ms / 1e9, "gqa": "native" if gqa else "repeated"}
+                break
+        if not results:
+            raise SystemExit("no SDPA backend ran the prefill baseline")
+        return results
+
+    def decode(self, spec: dict, block_size: int | None = None, config=None, baseline: bool = True) -> dict:
+        w = self.workload(spec, block_size)
+        self.checked(spec["name"], w, config)
+        ms = self.time_ms(lambda: self.run(w, config))
+        kv_bytes = 2 * sum(spec["seq_lens"]) * HEADS[1] * HEAD_DIM * w["k_cache"].element_size()
+        row = {"workload": spec["name"], "block_size": w["k_cache"].shape[1], "ms": ms,
+               "GBps": kv_bytes / ms / 1e6, "bandwidth_fraction": kv_bytes / ms / 1e6 / self.copy_gbps,
+               "floor_ms": kv_bytes / self.copy_gbps / 1e6,
+               "splits": self.attention.split_plan(len(spec["seq_lens"]) * HEADS[1],
+                                                    w["block_tables"].shape[1] * w["k_cache"].shape[1],
+                                                    (config or self.default_config(w)).block_n, self.device)[0]}
+        if baseline:
+            torch_ms = self.time_ms(lambda: gather_sdpa_decode(w, spec["seq_lens"][0]))
+            row |= {"torch_gather_sdpa_ms": torch_ms, "speed_vs_torch": torch_ms / ms,
+                    "target_bandwidth_fraction": TARGETS["decode_bandwidth_fraction"],
+                    "target_speed_vs_torch": TARGETS["decode_vs_torch"]}
+        return row
+
+    def default_config(self, w: dict):
+        return self.attention.default_config(HEAD_DIM, HEADS[0] // HEADS[1], w["max_seqlen_q"],
+                                             w["k_cache"].dtype, self.device)
+
+    def block_size_sweep(self) -> list[dict]:
+        rows = []
+        for block_size in BLOCK_SIZES:
+            w = self.workload(PREFILL, block_size)
+            self.checked(PREFILL["name"], w)
+            ms = self.time_ms(lambda: self.run(w))
+            rows.append({"workload": PREFILL["name"], "block_size": block_size, "ms": ms,
+                         "tflops": causal_flops(PREFILL["query_lens"], PREFILL["seq_lens"]) / ms / 1e9})
+            rows += [self.decode(spec, block_size, baseline=False) for spec in DECODES]
+        return rows
+
+    def tile_sweep(self) -> list[dict]:
+        TileConfig = self.attention.TileConfig
+        rows = []
+        w = self.workload(PREFILL)
+        for tiles in [tuple(self.default_config(w)), *PREFILL_TILES]:
+            config = TileConfig(*tiles)
+            self.checked(PREFILL["name"], w, config)
+            ms = self.time_ms(lambda: self.run(w, config))
+            rows.append({"workload": PREFILL["name"], "tiles": tiles, "ms": ms,
+                         "tflops": causal_flops(PREFILL["query_lens"], PREFILL["seq_lens"]) / ms / 1e9})
+        decode_default = self.default_config(self.workload(DECODES[1]))
+        for tiles in [tuple(decode_default), *DECODE_TILES]:
+            for spec in DECODES:
+                row = self.decode(spec, config=TileConfig(*tiles), baseline=False)
+                rows.append(row | {"tiles": tiles})
+        return rows
+
+
+def dense_from_paged(cache, block_tables, seq_len: int):
+    """[batch, seq_len, heads, head_dim] gathered from the paged cache."""
+    return cache[block_tables.long()].flatten(1, 2)[:, :seq_len]
+
+
+def gather_sdpa_decode(w: dict, seq_len: int):
+    """What PyTorch alone would do per decode step: gather the blocks, then SDPA."""
+    import torch
+    k, v = (dense_from_paged(c, w["block_tables"], seq_len).transpose(1, 2) for c in (w["k_cache"], w["v_cache"]))
+    out = torch.nn.functional.scaled_dot_product_attention(w["q"].unsqueeze(2), k, v, scale=w["scale"],
+                                                           enable_gqa=True)
+    return out.squeeze(2)
+
+
+def causal_flops(query_lens, seq_lens) -> float:
+    """2 matmuls x 2 flops per (query, visible key) pair, per query head: the q new rows of a
+    sequence of n keys see n - q cached keys each plus 1..q of the new ones."""
+    pairs = sum(q * (n - q) + q * (q + 1) // 2 for q, n in zip(query_lens, seq_lens))
+    return 4 * pairs * HEADS[0] * HEAD_DIM
+
+
+def to_markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = [f"# Paged attention benchmark: {env['device']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, {env['sms']} SMs, copy bandwidth "
+             f"{env['copy_bandwidth_GBps']} GB/s, headline block size {env['headline_block_size']}, "
+             f"bf16, {HEADS[0]} query / {HEADS[1]} KV heads, head dim {HEAD_DIM}.", ""]
+    p = results["prefill"]
+    lines += ["## Prefill (causal)", "", "| kernel | ms | TFLOP/s |", "|---|---|---|",
+              f"| nanovllm paged | {p['ms']:.3f} | {p['tflops']:.0f} |"]
+    lines += [f"| SDPA {name} ({r['gqa']} GQA) | {r['ms']:.3f} | {r['tflops']:.0f} |" for name, r in p["sdpa"].items()]
+    lines += ["", f"Speed vs fastest SDPA: **{p['speed_vs_sdpa']:.2f}x** (target >= {p['target_speed_vs_sdpa']}x)", ""]
+    lines += ["## Decode", "", "| workload | splits | ms | floor ms | GB/s | of copy bw | gather+SDPA ms | speed-up |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {d['workload']} | {d['splits']} | {d['ms']:.4f} | {d['floor_ms']:.4f} | {d['GBps']:.0f} | "
+              f"{d['bandwidth_fraction']:.0%} | {d['torch_gather_sdpa_ms']:.4f} | {d['speed_vs_torch']:.1f}x |"
+              for d in results["decode"]]
+    lines += ["", f"Targets: >= {TARGETS['decode_bandwidth_fraction']:.0%} of copy bandwidth, "
+              f">= {TARGETS['decode_vs_torch']}x gather+SDPA.", ""]
+    lines += ["## Compile time", "", "| workload | call | seconds | new kernel variants |", "|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['call']} | {r['seconds']:.3f} | {r['new_variants']} |"
+              for r in results["compile"]]
+    if "block_size_sweep" in results:
+        lines += ["", "## Block-size sweep", "", "| workload | block size | ms | TFLOP/s or % of copy bw |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['block_size']} | {r['ms']:.4f} | {_metric(r)} |"
+                  for r in results["block_size_sweep"]]
+        lines += ["", "## Tile sweep (first row of each workload: the default)", "",
+                  "| workload | (block_m, block_n, warps, stages) | ms | TFLOP/s or % of copy bw |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {tuple(r['tiles'])} | {r['ms']:.4f} | {_metric(r)} |"
+                  for r in sorted(results["tile_sweep"], key=lambda r: r["workload"], reverse=True)]
+    return "\n".join(lines) + "\n"
+
+
+def _metric(row: dict) -> str:
+    return f"{row['tflops']:.0f} TFLOP/s" if "tflops" in row else f"{row['bandwidth_fraction']:.0%}"
+
+
+if __name__ == "__main__":
+    main()

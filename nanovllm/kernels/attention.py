@@ -1,0 +1,301 @@
+"""Triton paged attention: one kernel serves every step the scheduler produces (prefill,
+prefix-cached or chunked prefill, decode, mixes of these), with an optional split of the KV
+range across programs whose partial results a second kernel merges by log-sum-exp.
+docs/attention.md describes the design."""
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+_LOG2E = 1.4426950408889634
+# A split below this many keys costs more in partial writes and merging than it gains.
+_MIN_PARTITION = 256
+_MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+
+
+class TileConfig(NamedTuple):
+    block_m: int  # (query row, head of the group) pairs per program
+    block_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+_fitted_configs: dict[tuple, TileConfig] = {}  # see _with_fallback
+
+
+@triton.jit
+def _load_rows(ptrs, row_mask, d_mask, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr):
+    # Unmasked loads where the bounds are known at compile time keep them vectorised.
+    if MASK_ROWS:
+        if MASK_D:
+            x = tl.load(ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        if MASK_D:
+            x = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, block_table_row, start, hi, row_limit, qk_scale,
+                    offs_n, offs_d, d_mask, stride_btc, stride_kb, stride_kt, stride_kd,
+                    stride_vb, stride_vt, stride_vd,
+                    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys start..start+BLOCK_N. MASKED tiles may reach `hi` (one
+    past the program's last key) or a row's causal limit; others lie wholly below both."""
+    pos = start + offs_n
+    in_range = pos < hi
+    # Keys at or past `hi` read neither the block table, whose padding may be garbage, nor the cache.
+    block = tl.load(block_table_row + (pos // BLOCK_SIZE) * stride_btc, mask=in_range, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    # int64: block * stride_kb exceeds 2^31 elements in large caches.
+    k_rows = block * stride_kb + slot * stride_kt
+    v_rows = block * stride_vb + slot * stride_vt
+    k = _load_rows(k_head_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, in_range, d_mask, MASKED, PAD_D)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        qk = tl.where(pos[None, :] < row_limit[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_rows(v_head_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, in_range, d_mask, MASKED, PAD_D)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+# Values that change from step to step (the block-table width too) must not each compile a
+# kernel of their own.
+@triton.jit(do_not_specialize=["partition_size", "num_splits", "stride_btr"])
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, partition_size, num_splits,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_btr, stride_btc,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (sequence x kv head, query tile, KV split). Its BLOCK_M rows are (query row,
+    query head) pairs of the GQA group of one kv head, row-major, so each K/V tile loaded
+    serves the whole group. Without SPLIT it writes the output; with SPLIT, the normalised
+    partial output and its log2-sum-exp for _merge_splits_kernel."""
+    seq = tl.program_id(0) // NUM_KV_HEADS
+    kv_head = tl.program_id(0) % NUM_KV_HEADS
+    # The grid runs y from 0 up: giving y = 0 the last tile starts the longest causal tiles first.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int32)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32) - q_start
+    if tile * BLOCK_M >= q_len * GROUP:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_mask = offs_m < q_len * GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    token = (q_start + row).to(tl.int64)
+    q = _load_rows(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                   row_mask, d_mask, True, PAD_D)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    lo = 0
+    hi = seq_len
+    if SPLIT:
+        lo = tl.program_id(2) * partition_size
+        hi = tl.minimum(hi, lo + partition_size)
+    # Keys below full_hi are visible to every row of the tile; keys up to hi to some of them.
+    full_hi = hi
+    row_limit = tl.zeros([BLOCK_M], tl.int32) + hi
+    if CAUSAL:
+        first_visible_end = seq_len - q_len + 1  # row r sees keys < first_visible_end + r
+        last_row = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
+        full_hi = tl.minimum(hi, first_visible_end + tile * BLOCK_M // GROUP)
+        hi = tl.minimum(hi, first_visible_end + last_row)
+        row_limit = tl.minimum(row_limit, first_visible_end + row)
+    full_hi = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+
+    # m starts finite so that a row whose first tiles are all masked gets exp2(-inf - m) = 0, not NaN.
+    m_i = tl.zeros([BLOCK_M], tl.float32) - 1.0e30
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_btr
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in tl.range(lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, block_table_row, start, hi,
+                                        row_limit, qk_scale, offs_n, offs_d, d_mask, stride_btc,
+                                        stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                                        BLOCK_SIZE, False, PAD_D, DOT_PRECISION)
+    for start in tl.range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, block_table_row, start, hi,
+                                        row_limit, qk_scale, offs_n, offs_d, d_mask, stride_btc,
+                                        stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                                        BLOCK_SIZE, True, PAD_D, DOT_PRECISION)
+
+    # A row that saw no key (seq_len 0, or an empty split) has l = 0: it yields zeros.
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    store_mask = row_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        split_row = (token * (NUM_KV_HEADS * GROUP) + head) * num_splits + tl.program_id(2)
+        tl.store(out_ptr + split_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
+        tl.store(lse_ptr + split_row, tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf")), mask=row_mask)
+    else:
+        out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_ot, stride_oh, stride_od,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[token, head] = sum_s 2^(lse_s - lse) * partial_s, lse = log2 sum_s 2^lse_s."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    first = (token * NUM_HEADS + head) * num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    # Finite start, as in the main kernel: empty splits carry lse = -inf and weigh exactly 0.
+    m = -1.0e30
+    weight_sum = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in tl.range(0, num_splits):
+        lse = tl.load(lse_ptr + first + split)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.math.exp2(m - m_new)
+        weight = tl.math.exp2(lse - m_new)
+        partial = tl.load(partial_ptr + (first + split) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        acc = acc * alpha + weight * partial
+        weight_sum = weight_sum * alpha + weight
+        m = m_new
+    acc = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+             acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dtype,
+                   device: torch.device) -> TileConfig:
+    """Tiles for H100/H200, checked there for shared memory and register spills. Decode steps
+    (max_seqlen_q == 1) are bandwidth bound: the smallest M that tl.dot takes. Longer queries
+    are compute bound: M of 128 for the tensor cores."""
+    block_d = _padded_head_dim(head_dim)
+    if dtype == torch.float32 and device.type == "cuda":
+        return TileConfig(16, 16, 4, 2)  # exact fp32 dots hold their operands in registers
+    if max_seqlen_q == 1:
+        return TileConfig(max(16, triton.next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, 3)
+    if block_d <= 64:
+        return TileConfig(128, 64, 4, 3)
+    if block_d <= 128:
+        return TileConfig(128, 64, 8, 3)
+    return TileConfig(128, 32, 8, 2)
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+
+
+@functools.cache
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The interpreter has no SMs; a small count lets CPU tests reach the split path.
+    return 4
+
+
+def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
+               num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, keys per split) from host-known shapes only. Splits only when the unsplit grid
+    fills less than one wave, then aims at about four programs per SM."""
+    if num_splits is None:
+        sms = _multiprocessor_count(device)
+        if programs >= sms:
+            num_splits = 1
+        else:
+            num_splits = min(triton.cdiv(4 * sms, programs), triton.cdiv(max_kv, _MIN_PARTITION))
+    num_splits = max(1, min(num_splits, _MAX_GRID_YZ, triton.cdiv(max_kv, block_n)))
+    partition = triton.cdiv(triton.cdiv(max_kv, num_splits), block_n) * block_n
+    return triton.cdiv(max_kv, partition), partition
+
+
+def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
+                    num_splits: int | None = None, config: TileConfig | None = None):
+    """See nanovllm.kernels.paged_attention. Beyond it: `num_splits` forces the KV split count
+    (1: none) and `config` the tiles; both for tests and benchmarks. Output rows that no
+    sequence owns (past cu_seqlens_q[-1]) are left unwritten."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out.zero_()
+    config = config or default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device)
+    q_tiles = triton.cdiv(max_seqlen_q * group, config.block_m)
+    if q_tiles > _MAX_GRID_YZ:
+        raise ValueError(f"max_seqlen_q: {max_seqlen_q} query rows need {q_tiles} tiles, over the grid limit")
+    programs = num_seqs * num_kv_heads * q_tiles
+    max_kv = block_tables.shape[1] * block_size
+    splits, partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
+    block_d = _padded_head_dim(head_dim)
+    launch = functools.partial(
+        _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal,
+        (num_seqs * num_kv_heads, q_tiles, splits), partition, block_d)
+    shape_class = (q.device, q.dtype, k_cache.dtype, head_dim, group, num_kv_heads, block_size, bool(causal))
+    if splits == 1:
+        _with_fallback(launch, config, out, out, False, shape_class)
+        return out
+    partial = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+    _with_fallback(launch, config, partial, lse, True, shape_class)
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        partial, lse, out, splits, *out.stride(), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        num_warps=1 if block_d <= 128 else 2)
+    return out
+
+
+def _with_fallback(launch, config: TileConfig, out, lse, split: bool, shape_class: tuple) -> None:
+    """Launches with `config`, or, on a GPU with less shared memory than the config was made
+    for, with fewer stages and then narrower key tiles; remembers what fitted, so only the
+    first call of a shape class (which compiles, before any CUDA-graph capture) searches."""
+    key = (config, split, shape_class)
+    config = _fitted_configs.get(key, config)
+    while True:
+        try:
+            launch(config, out, lse, split)
+            break
+        except OutOfResources:
+            if config.num_stages > 1:
+                config = config._replace(num_stages=config.num_stages - 1)
+            elif config.block_n > 16:
+                config = config._replace(block_n=config.block_n // 2)
+            else:
+                raise
+    _fitted_configs[key] = config
+
+
+def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal, grid, partition,
+                      block_d, config: TileConfig, out, lse, split: bool) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, lse, cu_seqlens_q, seq_lens, block_tables,
+        scale * _LOG2E, partition, grid[2],
+        *q.stride(), *(out.stride() if not split else (0, 0, 0)),
+        *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=k_cache.shape[1],
+        CAUSAL=bool(causal), SPLIT=split, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)

@@ -1,0 +1,345 @@
+"""Triton paged attention against the PyTorch reference in float64: in fp32 through Triton's
+interpreter on the CPU, in bf16/fp16 on a GPU. Caches start as NaN and padding block-table
+entries hold -1 or out-of-range ids, so any read outside a sequence's keys shows up."""
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import nanovllm.kernels as kernels
+from nanovllm.kernels import reference
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+try:
+    from nanovllm.kernels import attention
+except ImportError:  # no Triton here: only the reference can run
+    attention = None
+
+interpret = pytest.mark.triton_interpret
+gpu = pytest.mark.gpu
+
+# (query rows, keys) per sequence: decode, short prefill chunk over a cache, long chunk over a
+# cache, a single token, fresh prompt.
+MIXED = [(1, 1328), (5, 18), (129, 463), (1, 1), (64, 64)]
+HEADS = [(4, 4), (8, 2), (5, 1), (16, 8)]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+    scale: float
+    causal: bool = True
+
+    def kwargs(self) -> dict:
+        return dict(cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens, block_tables=self.block_tables,
+                    max_seqlen_q=self.max_seqlen_q, scale=self.scale, causal=self.causal)
+
+
+def make_case(shape, heads=(4, 2), head_dim=64, block_size=16, dtype=torch.float32, device="cpu", causal=True,
+              spare_blocks=5, spare_columns=2, first_block=0, num_blocks=None, seed=0) -> Case:
+    """Sequences of (query rows, keys); their blocks a random permutation of the cache from
+    `first_block` on. Cache slots no sequence owns stay NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    num_q_heads, num_kv_heads = heads
+    blocks_per_seq = [math.ceil(keys / block_size) for _, keys in shape]
+    used = sum(blocks_per_seq)
+    num_blocks = num_blocks or first_block + used + spare_blocks
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=device)
+    ids = first_block + torch.randperm(num_blocks - first_block, generator=gen)[:used]
+    width = max(blocks_per_seq) + spare_columns
+    block_tables = torch.empty(len(shape), width, dtype=torch.int32)
+    for i in range(len(shape)):  # padding: -1 in even rows, ids past the cache in odd ones
+        block_tables[i] = -1 if i % 2 == 0 else num_blocks + 1000 + i
+    taken = 0
+    for i, (_, keys) in enumerate(shape):
+        row = ids[taken:taken + blocks_per_seq[i]]
+        taken += blocks_per_seq[i]
+        block_tables[i, :len(row)] = row.to(torch.int32)
+        slots = (row.repeat_interleave(block_size) * block_size + torch.arange(len(row) * block_size) % block_size)
+        slots = slots[:keys].to(device)
+        for cache in (k_cache, v_cache):
+            values = torch.randn(keys, num_kv_heads, head_dim, generator=gen)
+            cache.view(-1, num_kv_heads, head_dim)[slots] = values.to(device=device, dtype=dtype)
+    query_lens = torch.tensor([rows for rows, _ in shape])
+    cu_seqlens_q = torch.zeros(len(shape) + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = query_lens.cumsum(0)
+    q = torch.randn(int(cu_seqlens_q[-1]), num_q_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    return Case(q, k_cache, v_cache, cu_seqlens_q.to(device), torch.tensor([k for _, k in shape], dtype=torch.int32,
+                device=device), block_tables.to(device), max(rows for rows, _ in shape), head_dim ** -0.5, causal)
+
+
+def expected(case: Case) -> torch.Tensor:
+    """The reference in float64 over a compact copy of only the blocks the sequences own."""
+    block_size = case.k_cache.shape[1]
+    lens = case.seq_lens.tolist()
+    owned = [case.block_tables[i, :math.ceil(n / block_size)].long() for i, n in enumerate(lens)]
+    ids = torch.cat(owned) if owned else torch.zeros(0, dtype=torch.long, device=case.q.device)
+    tables = torch.zeros_like(case.block_tables)
+    taken = 0
+    for i, row in enumerate(owned):
+        tables[i, :len(row)] = torch.arange(taken, taken + len(row), dtype=tables.dtype, device=tables.device)
+        taken += len(row)
+    k, v = (c.index_select(0, ids).double() for c in (case.k_cache, case.v_cache))
+    kwargs = case.kwargs() | {"block_tables": tables}
+    return reference.paged_attention(case.q.double(), k, v, **kwargs)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "non-finite output"
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < TOLERANCE[dtype], f"relative error {err:.3e} over {TOLERANCE[dtype]:.0e}"
+
+
+def run_public(case: Case) -> torch.Tensor:
+    return kernels.paged_attention(case.q, case.k_cache, case.v_cache, **case.kwargs())
+
+
+def check(case: Case, **launcher_kwargs) -> torch.Tensor:
+    """Through the public entry point unless a launcher option is set."""
+    launcher_kwargs = {k: v for k, v in launcher_kwargs.items() if v is not None}
+    if launcher_kwargs:
+        out = attention.paged_attention(case.q, case.k_cache, case.v_cache, **case.kwargs(), **launcher_kwargs)
+    else:
+        out = run_public(case)
+    assert_close(out, expected(case), case.q.dtype)
+    return out
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty returning NaN-filled float tensors: outputs and split partials the kernels
+    leave unwritten show up as NaN."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+# --- CPU, through Triton's interpreter, fp32 --------------------------------------------------
+
+@pytest.fixture
+def interpreted():
+    assert kernels.backend_for("cpu") == "triton", "the Triton kernel must run, not the PyTorch fallback"
+
+
+@interpret
+@pytest.mark.parametrize("heads,head_dim,block_size", [((4, 4), 64, 16), ((8, 2), 128, 32), ((5, 1), 80, 64),
+                                                       ((16, 8), 16, 128)])
+def test_mixed_batch_interpreted(interpreted, nan_empty, heads, head_dim, block_size):
+    check(make_case(MIXED, heads, head_dim, block_size))
+
+
+@interpret
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((5, 1), 96)])
+def test_decode_interpreted(interpreted, nan_empty, num_splits, heads, head_dim):
+    """Decode batch as the engine pads it for a CUDA graph: seq_len 0 rows of one query each."""
+    case = make_case([(1, 300), (1, 0), (1, 17), (1, 0), (1, 64)], heads, head_dim, block_size=16, spare_columns=6)
+    out = check(case, num_splits=num_splits)
+    assert (out[[1, 3]] == 0).all()
+
+
+@interpret
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_prefill_interpreted(interpreted, nan_empty, num_splits):
+    """Split KV under query tiles: some splits lie wholly past a row's causal limit."""
+    check(make_case([(40, 200), (3, 3), (1, 90)], (8, 2), 32, block_size=32), num_splits=num_splits)
+
+
+@interpret
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_non_causal_interpreted(interpreted, nan_empty, num_splits):
+    check(make_case([(7, 70), (20, 20), (1, 5)], (4, 2), 64, causal=False), num_splits=num_splits)
+
+
+@interpret
+def test_head_dim_256_interpreted(interpreted, nan_empty):
+    check(make_case([(3, 300), (1, 40)], (2, 1), 256, block_size=256))
+
+
+@interpret
+def test_empty_sequences_interpreted(interpreted, nan_empty):
+    """seq_len 0 rows give zeros; a sequence without query rows neither reads nor writes."""
+    case = make_case([(2, 9), (0, 30), (1, 0), (4, 4)], (4, 2), 32)
+    out = check(case)
+    assert (out[2] == 0).all()
+
+
+@interpret
+def test_auto_split_interpreted(interpreted, nan_empty):
+    """One long sequence on one kv head: the launcher splits it without being asked."""
+    case = make_case([(1, 700)], (2, 1), 32, block_size=16)
+    assert attention.split_plan(1, case.block_tables.shape[1] * 16, 64, torch.device("cpu"))[0] > 1
+    check(case)
+
+
+@interpret
+def test_non_contiguous_q_interpreted(interpreted, nan_empty):
+    """q as a view into a fused qkv projection output."""
+    case = make_case(MIXED[1:], (4, 2), 32)
+    qkv = torch.randn(case.q.shape[0], 8, 32)
+    qkv[:, :4] = case.q
+    case.q = qkv[:, :4]
+    check(case)
+
+
+# --- host-side rules (no kernel runs) ---------------------------------------------------------
+
+@pytest.mark.skipif(attention is None, reason="needs Triton")
+def test_split_plan():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert attention.split_plan(10**6, 32768, 64, device) == (1, 32768)
+    splits, partition = attention.split_plan(1, 32768, 64, device)
+    assert splits > 1 and partition % 64 == 0 and (splits - 1) * partition < 32768 <= splits * partition
+    assert attention.split_plan(1, 100, 64, device, num_splits=50) == (2, 64)
+
+
+@pytest.mark.skipif(attention is None, reason="needs Triton")
+def test_out_of_shared_memory_falls_back_once(monkeypatch):
+    """A config too big for the GPU's shared memory steps down, and later calls of the shape
+    class start from the config that fitted."""
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(attention, "_fitted_configs", {})
+    tried = []
+
+    def launch(config, out, lse, split):
+        tried.append(config)
+        if config.num_stages > 1 or config.block_n > 32:
+            raise OutOfResources(200_000, 100_000, "shared memory")
+
+    config = attention.TileConfig(128, 64, 8, 3)
+    for _ in range(2):
+        attention._with_fallback(launch, config, None, None, False, ("class",))
+    fitted = attention.TileConfig(128, 32, 8, 1)
+    assert tried == [config, config._replace(num_stages=2), config._replace(num_stages=1), fitted, fitted]
+
+
+# --- GPU, bf16/fp16 ---------------------------------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((8, 2), 128), ((5, 1), 80), ((16, 8), 128),
+                                            ((32, 8), 96), ((4, 2), 256)])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_mixed_batch_gpu(nan_empty, heads, head_dim, block_size):
+    check(make_case(MIXED, heads, head_dim, block_size, torch.bfloat16, "cuda"))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_dtypes_gpu(nan_empty, dtype):
+    check(make_case(MIXED, (16, 8), 128, 32, dtype, "cuda"))
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_decode_gpu(nan_empty, num_splits, block_size):
+    shape = [(1, n) for n in (1, 0, 4097, 33, 0, 1024, 250)]
+    out = check(make_case(shape, (16, 8), 128, block_size, torch.bfloat16, "cuda", spare_columns=40),
+                num_splits=num_splits)
+    assert (out[[1, 4]] == 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_long_prefill_chunks_gpu(nan_empty, num_splits):
+    """Chunked prefill over a long cached prefix, next to decodes."""
+    shape = [(512, 8192), (1, 3000), (300, 300), (1, 17)]
+    check(make_case(shape, (16, 8), 128, 16, torch.bfloat16, "cuda"), num_splits=num_splits)
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_cache_offsets_beyond_int32_gpu(num_splits):
+    """Block id x block size x strides past 2^32 elements: the sequences own the last blocks of
+    a ~20 GB cache pair."""
+    num_blocks, block_size, heads, head_dim = 300_000, 16, (16, 8), 128
+    block_elements = block_size * heads[1] * head_dim
+    if torch.cuda.mem_get_info()[0] < 2 * num_blocks * block_elements * 2 + (4 << 30):
+        pytest.skip("not enough free GPU memory for a >2^32-element cache pair")
+    shape = [(1, 900), (40, 700), (1, 16)]
+    used = sum(math.ceil(k / block_size) for _, k in shape)
+    first_block = num_blocks - used
+    assert first_block * block_elements > 2 ** 32
+    case = make_case(shape, heads, head_dim, block_size, torch.bfloat16, "cuda", num_blocks=num_blocks,
+                     first_block=first_block, spare_blocks=0)
+    check(case, num_splits=num_splits)
+    del case
+    torch.cuda.empty_cache()
+
+
+@gpu
+@pytest.mark.parametrize("batch", [4, 64])
+def test_decode_cuda_graph_gpu(batch):
+    """Capture one decode call, then replay it with new seq_lens, block tables and queries."""
+    heads, head_dim, block_size, max_blocks = (16, 8), 128, 16, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    num_blocks = batch * max_blocks
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, heads[1], head_dim, device="cuda", generator=gen,
+                                    dtype=torch.bfloat16) for _ in range(2))
+    q = torch.empty(batch, heads[0], head_dim, device="cuda", dtype=torch.bfloat16)
+    cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.empty(batch, device="cuda", dtype=torch.int32)
+    block_tables = torch.empty(batch, max_blocks, device="cuda", dtype=torch.int32)
+    case = Case(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1, head_dim ** -0.5)
+
+    def refill():
+        lens = torch.randint(1, max_blocks * block_size + 1, (batch,), device="cuda", generator=gen)
+        lens[batch // 2] = 0  # a padding row
+        seq_lens.copy_(lens)
+        block_tables.copy_(torch.randperm(num_blocks, device="cuda", generator=gen).view(batch, max_blocks))
+        q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
+
+    refill()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        run_public(case)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_public(case)
+    for _ in range(3):
+        refill()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, expected(case), torch.bfloat16)
+        assert (out[batch // 2] == 0).all()
+
+
+def _compiled_variants() -> int:
+    kernel_caches = [entry[0] for entry in attention._paged_attention_kernel.device_caches.values()]
+    return sum(len(cache) for cache in kernel_caches)
+
+
+@gpu
+def test_new_token_counts_do_not_recompile_gpu():
+    """Batch size, token count, sequence lengths and block-table width change every step."""
+    try:
+        _compiled_variants()
+    except (AttributeError, TypeError, IndexError):
+        pytest.skip("this Triton keeps its compiled-kernel cache elsewhere")
+    # Each pair stays on one side of the split threshold (132 programs on an H100).
+    prefill = [[(17, 40), (100, 100)] * 5, [(5, 300), (64, 64), (1, 9), (230, 230)] * 2]
+    decode = [[(1, n) for n in range(100, 4000, 13)], [(1, n) for n in range(50, 9000, 31)]]
+    split_decode = [[(1, 5000)] * 3, [(1, 7000), (1, 20)] * 2]
+    for shapes in (prefill, decode, split_decode):
+        check(make_case(shapes[0], (16, 8), 128, 16, torch.bfloat16, "cuda"))
+        before = _compiled_variants()
+        check(make_case(shapes[1], (16, 8), 128, 16, torch.bfloat16, "cuda", spare_columns=7))
+        assert _compiled_variants() == before

@@ -21,8 +21,6 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from nanovllm.kernels import apply_rotary_emb, backend_for
-# Bound at import: once the Triton backend imports the submodule nanovllm.kernels.rms_norm, the
-# package attribute of that name is the submodule, no longer the function.
 from nanovllm.kernels import rms_norm as rms_norm_kernel
 from nanovllm.layers.custom_mlp import resolve_activation
 

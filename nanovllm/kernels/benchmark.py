@@ -1,8 +1,20 @@
-"""Median timing of one kernel call, for test_custom_kernels.py and the layer self-checks."""
+"""Median timing of one kernel call, for test_custom_kernels.py and the layer self-checks.
+
+On a GPU the calls are captured into a CUDA graph and the graph replays are timed, so the
+result is device time without Python launch overhead: what the engine pays when decode runs
+under CUDA graphs, and a fair ground for comparing a Triton launcher, eager PyTorch and a
+torch.compile'd function, whose host costs differ a lot. A function that cannot be captured
+(one that synchronises with the host) is timed with events around eager calls instead."""
+import math
 import statistics
 import time
+import warnings
 
 import torch
+
+_L2_BYTES = 64 << 20  # larger than any Hopper L2 (50-60 MB)
+_MAX_COPIES = 32
+_GRAPH_MS = 2.0  # device time one replay aims at, so its launch cost is noise
 
 
 def _rotated_args(args, kwargs, count):
@@ -15,35 +27,72 @@ def _rotated_args(args, kwargs, count):
 
 def _copies_to_defeat_cache(args, kwargs) -> int:
     tensor_bytes = sum(v.numel() * v.element_size() for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor))
-    l2_bytes = 64 << 20  # larger than any Hopper L2 (50-60 MB)
-    return max(1, min(32, -(-2 * l2_bytes // max(tensor_bytes, 1))))
+    return max(1, min(_MAX_COPIES, -(-2 * _L2_BYTES // max(tensor_bytes, 1))))
 
 
 def benchmark_kernel(fn, *args, warmup: int = 20, iters: int = 100, **kwargs) -> float:
-    """Median milliseconds of fn(*args, **kwargs): CUDA events on a GPU, a wall clock on the CPU.
-    Inputs rotate through enough copies to exceed the L2 cache."""
+    """Median milliseconds of one fn(*args, **kwargs): CUDA-graph replays on a GPU (see the
+    module docstring), a wall clock on the CPU. Inputs rotate through enough copies to exceed
+    the L2 cache; an in-place fn keeps working on the same copies."""
     on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in [*args, *kwargs.values()])
-    variants = _rotated_args(args, kwargs, _copies_to_defeat_cache(args, kwargs) if on_cuda else 1)
-    for i in range(warmup):
-        a, k = variants[i % len(variants)]
-        fn(*a, **k)
-    times = []
-    for i in range(iters):
-        a, k = variants[i % len(variants)]
-        times.append(_time_cuda(fn, a, k) if on_cuda else _time_cpu(fn, a, k))
-    return statistics.median(times)
+    if not on_cuda:
+        return _time_cpu(fn, args, kwargs, warmup, iters)
+    variants = _rotated_args(args, kwargs, _copies_to_defeat_cache(args, kwargs))
+    calls = [lambda a=a, k=k: fn(*a, **k) for a, k in variants]
+    eager_ms = _warm_up(calls, warmup)
+    graph, calls_per_replay = _capture(calls, eager_ms)
+    if graph is None:
+        return statistics.median(_time_events(calls[i % len(calls)]) for i in range(iters))
+    return statistics.median(_time_events(graph.replay) for _ in range(iters)) / calls_per_replay
 
 
-def _time_cuda(fn, args, kwargs) -> float:
+def _warm_up(calls, warmup: int) -> float:
+    """Runs the calls on a side stream, as graph capture wants (lazy initialisations such as
+    cuBLAS workspaces happen here), and returns the eager milliseconds of one call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(max(warmup, len(calls))):
+            calls[i % len(calls)]()
+        eager_ms = statistics.median(_time_events(calls[i % len(calls)]) for i in range(5))
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return eager_ms
+
+
+def _capture(calls, eager_ms: float):
+    """A graph of enough calls to fill _GRAPH_MS (estimated from eager timing, which is an
+    over-estimate for small kernels) and at least one pass over the input copies."""
+    count = max(len(calls), min(256, math.ceil(_GRAPH_MS / max(eager_ms, 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for i in range(count):
+                calls[i % len(calls)]()
+    except RuntimeError as exc:  # a host synchronisation inside fn: no graph possible
+        warnings.warn(f"benchmark_kernel: not capturable, timing eager calls ({exc})", stacklevel=3)
+        torch.cuda.synchronize()
+        return None, 1
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, count
+
+
+def _time_events(call) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    fn(*args, **kwargs)
+    call()
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
 
 
-def _time_cpu(fn, args, kwargs) -> float:
-    start = time.perf_counter()
-    fn(*args, **kwargs)
-    return (time.perf_counter() - start) * 1e3
+def _time_cpu(fn, args, kwargs, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)

@@ -1,0 +1,24 @@
+"""The one launch rule the Triton kernels share: how many rows a program takes and how many
+warps it runs with. A cheap function of the shape, so a first call costs only compilation:
+no autotuning at request time."""
+import triton
+
+# Elements one program moves per operand: several short rows (q/k norm, D=128) or one 4K row,
+# 16 values a thread at 8 warps, enough bytes in flight to keep HBM busy.
+TILE_ELEMENTS = 4096
+# About two programs an SM on a 132-SM H100/H200: below that, a decode-sized batch leaves SMs
+# idle, so rows are spread one a program before tiles grow.
+MIN_PROGRAMS = 256
+
+
+def rows_per_program(n_rows: int, row_elements: int, programs_per_row: int = 1) -> int:
+    """A power of two: rows enough to fill TILE_ELEMENTS, fewer while the grid would drop
+    under MIN_PROGRAMS, and never more than the rows there are."""
+    spread = max(1, n_rows * programs_per_row // MIN_PROGRAMS)
+    fill = max(1, TILE_ELEMENTS // row_elements)
+    return min(fill, 1 << (spread.bit_length() - 1), triton.next_power_of_2(n_rows))
+
+
+def num_warps(tile_elements: int) -> int:
+    """16 values a thread (two 16-byte vectors of bf16), 1 to 16 warps."""
+    return min(16, max(1, tile_elements // 512))

@@ -1,0 +1,56 @@
+"""Triton kernel that scatters new keys and values into the paged caches.
+
+Work is split into head rows: row r is head r % Hk of token r // Hk, copied to
+cache[slot // block_size, slot % block_size, r % Hk, :] for slot = slot_mapping[r // Hk].
+Every operand is addressed through its strides, so key and value may be slices of the packed
+qkv output. Cache offsets are int64: a cache may hold more than 2^31 elements."""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels._tiling import num_warps, rows_per_program
+
+
+@triton.jit
+def _copy_rows(src_ptr, src_token_stride, src_head_stride, src_dim_stride,
+               dst_ptr, dst_block_stride, dst_offset_stride, dst_head_stride, dst_dim_stride,
+               tokens, heads, blocks, offsets, cols, mask):
+    src = src_ptr + (tokens * src_token_stride + heads * src_head_stride)[:, None] + cols[None, :] * src_dim_stride
+    dst_rows = blocks * dst_block_stride + offsets * dst_offset_stride + heads * dst_head_stride
+    values = tl.load(src, mask=mask)
+    tl.store(dst_ptr + dst_rows[:, None] + cols[None, :] * dst_dim_stride,
+             values.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _store_kvcache_kernel(key_ptr, key_token_stride, key_head_stride, key_dim_stride,
+                          value_ptr, value_token_stride, value_head_stride, value_dim_stride,
+                          k_cache_ptr, k_block_stride, k_offset_stride, k_head_stride, k_dim_stride,
+                          v_cache_ptr, v_block_stride, v_offset_stride, v_head_stride, v_dim_stride,
+                          slot_mapping_ptr, n_rows, kv_heads, head_dim, block_size,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.cast(tl.program_id(0), tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    tokens, heads = rows // kv_heads, rows % kv_heads
+    slots = tl.load(slot_mapping_ptr + tokens, mask=rows < n_rows, other=-1).to(tl.int64)
+    mask = ((rows < n_rows) & (slots >= 0))[:, None] & (cols < head_dim)[None, :]
+    blocks, offsets = slots // block_size, slots % block_size
+    _copy_rows(key_ptr, key_token_stride, key_head_stride, key_dim_stride,
+               k_cache_ptr, k_block_stride, k_offset_stride, k_head_stride, k_dim_stride,
+               tokens, heads, blocks, offsets, cols, mask)
+    _copy_rows(value_ptr, value_token_stride, value_head_stride, value_dim_stride,
+               v_cache_ptr, v_block_stride, v_offset_stride, v_head_stride, v_dim_stride,
+               tokens, heads, blocks, offsets, cols, mask)
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    n_tokens, kv_heads, head_dim = key.shape
+    n_rows = n_tokens * kv_heads
+    if n_rows == 0 or head_dim == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_r = rows_per_program(n_rows, block_d)
+    _store_kvcache_kernel[(triton.cdiv(n_rows, block_r),)](
+        key, *key.stride(), value, *value.stride(), k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
+        slot_mapping, n_rows, kv_heads, head_dim, k_cache.shape[1],
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d))

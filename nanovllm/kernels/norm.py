@@ -1,0 +1,94 @@
+"""Triton kernel for RMS normalisation over the last dimension, alone (rms_norm) or after a
+residual add (fused_add_rms_norm). A program holds BLOCK_R whole rows in registers, so x is
+read once and every output written once.
+
+Rows are addressed through a [outer, inner, D] strided view (see `_strided_rows`): Qwen3's
+per-head q/k norm runs on a [T, H, D] slice of the packed qkv output, whose token stride is
+not H * D, without a copy."""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels._tiling import num_warps, rows_per_program
+
+
+@triton.jit
+def _row_offsets(rows, inner, outer_stride, inner_stride):
+    return (rows // inner) * outer_stride + (rows % inner) * inner_stride
+
+
+@triton.jit(do_not_specialize=["n_rows", "x_inner", "res_inner"])
+def _rms_norm_kernel(x_ptr, x_inner, x_outer_stride, x_inner_stride,
+                     res_ptr, res_inner, res_outer_stride, res_inner_stride,
+                     out_ptr, weight_ptr, n_rows, D, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = rms_norm(x) into a contiguous out; with HAS_RESIDUAL, the sum x + res goes back
+    into res and the normalised sum into x (out_ptr unused)."""
+    rows = tl.cast(tl.program_id(0), tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    x_ptrs = x_ptr + _row_offsets(rows, x_inner, x_outer_stride, x_inner_stride)[:, None] + cols[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res_ptrs = res_ptr + _row_offsets(rows, res_inner, res_outer_stride, res_inner_stride)[:, None] + cols[None, :]
+        summed = (x + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptrs, summed, mask=mask)
+        # normalise the sum as stored, as the unfused add-then-norm would
+        x = summed.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    weight = tl.load(weight_ptr + cols, mask=cols < D).to(tl.float32)
+    normed = x * inv_rms[:, None] * weight[None, :]
+    if HAS_RESIDUAL:
+        tl.store(x_ptrs, normed.to(x_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + rows[:, None] * D + cols[None, :], normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _strided_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as an [outer, inner, D] view with unit stride along D, merging the leading dimensions
+    as far as the strides allow; a contiguous copy when no such view exists."""
+    d = x.shape[-1]
+    if x.stride(-1) == 1:
+        inner = x.shape[-2] if x.dim() > 1 else 1
+        for shape in ((1, -1, d), (-1, inner, d)):
+            try:
+                return x.view(shape)
+            except RuntimeError:  # the leading strides do not merge this way
+                pass
+    return x.contiguous().view(1, -1, d)
+
+
+def _row_args(rows: torch.Tensor):
+    return rows, rows.shape[1], rows.stride(0), rows.stride(1)
+
+
+def _launch(x_rows: torch.Tensor, res_rows: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float,
+            has_residual: bool) -> None:
+    n_rows, d = x_rows.shape[0] * x_rows.shape[1], x_rows.shape[2]
+    block_d = triton.next_power_of_2(d)
+    block_r = rows_per_program(n_rows, block_d)
+    _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
+        *_row_args(x_rows), *_row_args(res_rows), out, weight.contiguous(), n_rows, d, eps,
+        HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Returns a new contiguous tensor; x is only read, through its strides."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() > 0:
+        x_rows = _strided_rows(x)
+        _launch(x_rows, x_rows, out, weight, eps, has_residual=False)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """In place: the sum goes into residual's memory and the normalised sum into x's, and
+    (x, residual) come back, so no memory is allocated. Inputs whose strides leave no
+    [outer, inner, D] view are copied first, and the copies come back instead."""
+    if x.numel() == 0:
+        return x, residual
+    if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        residual = residual.clone()  # else the sum and the normalised rows could land in one place
+    x_rows, res_rows = _strided_rows(x), _strided_rows(residual)
+    _launch(x_rows, res_rows, x_rows, weight, eps, has_residual=True)
+    return x_rows.view(x.shape), res_rows.view(residual.shape)

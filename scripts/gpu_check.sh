@@ -15,7 +15,7 @@ run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   echo "=== $name rc=$rc in $((SECONDS - t0)) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
 for stage in $STAGES; do case $stage in
   info) run info bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
-  tests) run tests python3 -m pytest -q -x -m gpu tests ;;
+  tests) run tests python3 -m pytest -q -m gpu --durations=15 tests ;;
   kernels) run kernels python3 test_custom_kernels.py --out "$OUT/kernels" ;;
   mlp) run mlp python3 -m nanovllm.layers.custom_mlp ;;
   attention) run attention python3 benchmarks/bench_attention.py --out "$OUT/attention" ;;
@@ -23,6 +23,6 @@ for stage in $STAGES; do case $stage in
   bench_eager) run bench_eager python3 bench.py --enforce-eager --out "$OUT/bench_eager" ;;
   single) run single python3 bench.py --num-seqs 1 --min-input-len 128 --max-input-len 128 --min-output-len 512 --max-output-len 512 --out "$OUT/single" ;;
   comparehf) run comparehf python3 bench.py --compare-hf --num-seqs 64 --out "$OUT/comparehf" ;;
-  hfswap) run hfswap python3 benchmarks/bench_hf_swap.py --out "$OUT/hfswap" ;;
+  hfswap) run hfswap python3 -m benchmarks.bench_hf_swap --out "$OUT/hfswap" ;;
   concurrency) run concurrency python3 benchmarks/bench_concurrency.py --out "$OUT/concurrency" ;;
 esac; done

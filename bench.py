@@ -98,13 +98,17 @@ def sync(llm) -> None:
         torch.cuda.synchronize()
 
 
-def profile_steps(llm, prompts, params, out_dir: str, decode_steps: int = 8) -> None:
-    """Profiles the first steps of a few requests: their prefill, then `decode_steps` decodes."""
+def profile_steps(llm, prompts, params, out_dir: str, num_steps: int = 12) -> None:
+    """Profiles the workload where prefill ends and decode takes over: the last two steps
+    that prefill prompts, then decode steps of the full batch."""
     on_cuda = llm.config.torch_device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
-    ids = [llm.add_request(p, sp) for p, sp in zip(prompts[:8], params[:8])]
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    prefill_steps = -(-sum(len(p) for p in prompts) // llm.config.max_num_batched_tokens)
+    for _ in range(max(prefill_steps - 2, 0)):
+        llm.step()
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(decode_steps + 1):
+        for _ in range(num_steps):
             with torch.profiler.record_function("nanovllm.step"):
                 llm.step()
         sync(llm)
@@ -116,6 +120,20 @@ def profile_steps(llm, prompts, params, out_dir: str, decode_steps: int = 8) -> 
     with open(report, "w") as f:
         f.write(prof.key_averages().table(sort_by=sort_by, row_limit=50))
     print(f"profile trace: {trace}\nprofile report: {report}")
+
+
+def time_to_first_token_ms(llm, prompt_len: int, repeats: int = 5) -> float:
+    """Median latency of one prompt to its first token; fresh tokens each time, so the prefix
+    cache cannot serve it."""
+    rng = random.Random(1)
+    times = []
+    for _ in range(repeats):
+        prompt = [rng.randint(0, 10000) for _ in range(prompt_len)]
+        sync(llm)
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def save_hf_checkpoint(config_dir: str, dtype: torch.dtype) -> str:
@@ -181,8 +199,11 @@ def main():
               "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_per_s": round(tokens / seconds, 1),
               "total_tok_per_s": round((tokens + prompt_tokens) / seconds, 1),
               "enforce_eager": args.enforce_eager, **versions(), "date": time.strftime("%Y-%m-%d")}
+    ttft_len = min(1024, args.max_input_len)
+    result[f"ttft_ms_{ttft_len}_tokens"] = round(time_to_first_token_ms(llm, ttft_len), 2)
     print(f"Generated {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} output tok/s, "
-          f"{(tokens + prompt_tokens) / seconds:.1f} total tok/s")
+          f"{(tokens + prompt_tokens) / seconds:.1f} total tok/s; time to first token "
+          f"({ttft_len}-token prompt) {result[f'ttft_ms_{ttft_len}_tokens']} ms")
     if args.profile:
         profile_steps(llm, prompts, params, args.out)
     if args.compare_hf:

@@ -25,6 +25,15 @@ SECOND_CALLS = [dict(name="prefill 7 x 1500", query_lens=[1500] * 7, seq_lens=[1
                 dict(name="decode 255 x 1000", query_lens=[1] * 255, seq_lens=[1000] * 255),
                 dict(name="decode 1 x 30000", query_lens=[1], seq_lens=[30000])]
 BLOCK_SIZES = [16, 32, 64, 128, 256]
+# Small decode batches as the engine's CUDA graphs see them: block tables padded to a
+# max_model_len of 4096 tokens. Swept over forced split counts to tune split_plan.
+SMALL_DECODES = [dict(name="decode 1 x 640 (table for 4096)", query_lens=[1], seq_lens=[640], table_tokens=4096),
+                 dict(name="decode 8 x 1000 (table for 4096)", query_lens=[1] * 8, seq_lens=[1000] * 8,
+                      table_tokens=4096),
+                 dict(name="decode 64 x 1000 (table for 4096)", query_lens=[1] * 64, seq_lens=[1000] * 64,
+                      table_tokens=4096),
+                 dict(name="decode 1 x 32768", query_lens=[1], seq_lens=[32768], table_tokens=32768)]
+SPLITS = [None, 1, 2, 4, 8, 16, 32, 64, 128]
 # (block_m, block_n, num_warps, num_stages) tried next to the defaults: each compiled offline for sm_90
 # within shared memory and without register spills. Stages count past the block-table load, which
 # takes one, so 5 stages give K/V tiles two buffers.
@@ -37,7 +46,7 @@ TARGETS = {"prefill_vs_sdpa": 0.8, "decode_bandwidth_fraction": 0.7, "decode_vs_
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="directory for bench_attention.{json,md}")
-    parser.add_argument("--block-size", type=int, default=256, help="KV block size of the headline runs")
+    parser.add_argument("--block-size", type=int, default=128, help="KV block size of the headline runs (the engine default)")
     parser.add_argument("--skip-sweeps", action="store_true", help="only the headline runs and compile times")
     parser.add_argument("--keep-triton-cache", action="store_true",
                         help="reuse ~/.triton/cache (compile times then measure cache loads)")
@@ -63,6 +72,8 @@ def main():
     results["prefill"] = bench.prefill()
     log("decode")
     results["decode"] = [bench.decode(spec) for spec in DECODES]
+    log("split sweep")
+    results["split_sweep"] = bench.split_sweep()
     if not args.skip_sweeps:
         log("block-size sweep")
         results["block_size_sweep"] = bench.block_size_sweep()
@@ -114,7 +125,8 @@ class Bench:
         num_q_heads, num_kv_heads = HEADS
         blocks = [math.ceil(n / block_size) for n in spec["seq_lens"]]
         ids = torch.randperm(sum(blocks), device=self.device, generator=self.gen).to(torch.int32)
-        block_tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device=self.device)
+        width = max(max(blocks), math.ceil(spec.get("table_tokens", 0) / block_size))
+        block_tables = torch.zeros(len(blocks), width, dtype=torch.int32, device=self.device)
         taken = 0
         for i, n in enumerate(blocks):
             block_tables[i, :n] = ids[taken:taken + n]
@@ -129,12 +141,12 @@ class Bench:
         return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
                     block_tables=block_tables, max_seqlen_q=max(spec["query_lens"]), scale=HEAD_DIM ** -0.5)
 
-    def run(self, w: dict, config=None):
-        return self.attention.paged_attention(**w, config=config)
+    def run(self, w: dict, config=None, num_splits=None):
+        return self.attention.paged_attention(**w, config=config, num_splits=num_splits)
 
-    def checked(self, name: str, w: dict, config=None):
+    def checked(self, name: str, w: dict, config=None, num_splits=None):
         """The kernel's output, after failing loudly if it differs from the reference."""
-        out = self.run(w, config)
+        out = self.run(w, config, num_splits)
         ref = self.reference.paged_attention(**w).float()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         if not (err < TOLERANCE and self.torch.isfinite(out).all()):
@@ -234,6 +246,19 @@ class Bench:
                     "target_speed_vs_torch": TARGETS["decode_vs_torch"]}
         return row
 
+    def split_sweep(self) -> list[dict]:
+        """Forced split counts (None: split_plan's choice) for small decode batches."""
+        rows = []
+        for spec in SMALL_DECODES:
+            w = self.workload(spec)
+            kv_bytes = 2 * sum(spec["seq_lens"]) * HEADS[1] * HEAD_DIM * w["k_cache"].element_size()
+            for splits in SPLITS:
+                self.checked(spec["name"], w, num_splits=splits)
+                ms = self.time_ms(lambda: self.run(w, num_splits=splits))
+                rows.append({"workload": spec["name"], "splits": splits or "auto", "ms": ms,
+                             "bandwidth_fraction": kv_bytes / ms / 1e6 / self.copy_gbps})
+        return rows
+
     def default_config(self, w: dict):
         return self.attention.default_config(HEAD_DIM, HEADS[0] // HEADS[1], w["max_seqlen_q"],
                                              w["k_cache"].dtype, self.device)
@@ -309,6 +334,10 @@ def to_markdown(results: dict) -> str:
     lines += ["## Compile time", "", "| workload | call | seconds | new kernel variants |", "|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['call']} | {r['seconds']:.3f} | {r['new_variants']} |"
               for r in results["compile"]]
+    lines += ["", "## Split sweep (small decode batches, graph-padded block tables)", "",
+              "| workload | splits | ms | % of copy bw |", "|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['splits']} | {r['ms']:.4f} | {r['bandwidth_fraction']:.0%} |"
+              for r in results["split_sweep"]]
     if "block_size_sweep" in results:
         lines += ["", "## Block-size sweep", "", "| workload | block size | ms | TFLOP/s or % of copy bw |",
                   "|---|---|---|---|"]

@@ -78,7 +78,7 @@ class Config:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
-    kvcache_block_size: int = 256
+    kvcache_block_size: int = 128
     num_kvcache_blocks: int = -1
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True

@@ -5,7 +5,7 @@ class LLM(LLMEngine):
     """Offline and online generation from a Hugging Face Qwen3/Qwen2 checkpoint folder.
 
     LLM(model_dir, device="auto", dtype="auto", max_num_seqs=256, max_num_batched_tokens=8192,
-        max_model_len=4096, kvcache_block_size=256, num_kvcache_blocks=-1, gpu_memory_utilization=0.9,
+        max_model_len=4096, kvcache_block_size=128, num_kvcache_blocks=-1, gpu_memory_utilization=0.9,
         enable_prefix_caching=True, enforce_eager=False, load_format="auto")
 
     device "auto" takes CUDA when present, else the CPU. dtype "auto" keeps the checkpoint's

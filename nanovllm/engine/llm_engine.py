@@ -93,14 +93,17 @@ class LLMEngine:
         undelivered, self._undelivered = self._undelivered, []
         return undelivered + (self._step() if not self.scheduler.is_finished() else [])
 
-    def _step(self) -> list[dict]:
+    def _step(self, finished_only: bool = False) -> list[dict]:
+        """One batch; outputs of the requests that received a token, or with `finished_only`
+        of those that finished (copying every running request's tokens each step costs)."""
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("scheduler produced an empty step while requests are pending")
         self.last_step_tokens = self._count_tokens(batch)
         sampled = self.model_runner.run(batch)
         self.scheduler.postprocess(batch, sampled)
-        return [self._output(seq) for seq in batch.seqs if seq.request_id in sampled]
+        return [self._output(seq) for seq in batch.seqs
+                if seq.request_id in sampled and (seq.is_finished or not finished_only)]
 
     @staticmethod
     def _count_tokens(batch: ScheduledBatch) -> tuple[int, int]:
@@ -134,7 +137,7 @@ class LLMEngine:
         with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while not self.scheduler.is_finished():
                 started = time.perf_counter()
-                for out in self._step():
+                for out in self._step(finished_only=True):
                     if out["request_id"] not in own:
                         self._undelivered.append(out)
                     elif out["finished"]:

@@ -117,11 +117,17 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch):
         input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, sample_rows = [], [], [], [0], [], []
+        size = self.block_size
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slot_mapping.extend(self._slots(seq, start, end))
+            if num_new == 1:  # decode: the common case, kept cheap
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slot_mapping.append(seq.block_table[start // size] * size + start % size)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slot_mapping.extend(self._slots(seq, start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
             seq_lens.append(end)
             if end == len(seq):
@@ -168,7 +174,8 @@ class ModelRunner:
             top_ks = self._to_device([s.params.top_k if s.params.top_k != -1 else vocab for s in seqs], torch.long)
             top_ps = self._to_device([s.params.top_p for s in seqs], torch.float32)
         generators = {row: self._generator(seq) for row, seq in enumerate(seqs) if seq.params.seed is not None}
-        return temperatures, top_ks, top_ps, generators
+        all_greedy = all(s.params.temperature == 0 for s in seqs)
+        return temperatures, top_ks, top_ps, generators, all_greedy
 
     def _generator(self, seq) -> torch.Generator:
         if seq.generator is None:
@@ -213,9 +220,11 @@ class ModelRunner:
         # Padding rows have seq_len 0 and slot -1: they read no keys and write nowhere.
         g["slot_mapping"][batch_size:size].fill_(-1)
         g["seq_lens"][batch_size:size].zero_()
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
-            dtype = g[name].dtype
-            g[name][:batch_size].copy_(self._to_device(step[name], dtype), non_blocking=True)
+        # One host-to-device copy for the four per-row inputs.
+        rows = self._to_device(step["input_ids"] + step["positions"] + step["slot_mapping"] + step["seq_lens"],
+                               torch.long).view(4, batch_size)
+        for i, name in enumerate(("input_ids", "positions", "slot_mapping", "seq_lens")):
+            g[name][:batch_size].copy_(rows[i], non_blocking=True)
         tables = self._to_device(step["block_tables"], torch.int32)
         g["block_tables"][:batch_size, :tables.shape[1]].copy_(tables, non_blocking=True)
         self.graphs[size].replay()

@@ -1,7 +1,8 @@
 """Next-token sampling on the logits' device: greedy for temperature 0, otherwise top-k, top-p
-and a draw from the softmax by the exponential-race trick (argmax of p / E, E ~ Exp(1)),
-which needs no cumulative sums. A seeded request draws its noise from its own generator, so
-its tokens do not depend on what else is in the batch."""
+and a draw from softmax(logits / T) by the Gumbel-max trick: argmax(logits / T - log E) with
+E ~ Exp(1) equals argmax(p / E), a draw from p, without computing the softmax (at 256 rows of
+a 152k vocabulary each full pass over the logits costs about 0.1 ms on an H200). A seeded
+request draws its noise from its own generator, so its tokens do not depend on its batch."""
 import torch
 from torch import nn
 
@@ -20,16 +21,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
-                top_ps: torch.Tensor | None = None, generators: dict[int, torch.Generator] | None = None):
-        """logits [B, V] fp32; temperatures [B]; top_ks/top_ps [B] or None when no row filters;
-        generators: row -> generator for seeded rows. Returns token ids [B]."""
+                top_ps: torch.Tensor | None = None, generators: dict[int, torch.Generator] | None = None,
+                all_greedy: bool = False):
+        """logits [B, V] fp32, overwritten; temperatures [B]; top_ks/top_ps [B] or None when no
+        row filters; generators: row -> generator for seeded rows. Returns token ids [B]."""
         greedy = logits.argmax(dim=-1)
-        scaled = logits / temperatures.clamp_min(1e-6)[:, None]
+        if all_greedy:
+            return greedy
+        scaled = logits.div_(temperatures.clamp_min(1e-6)[:, None])
         if top_ks is not None:
             scaled = apply_top_k_top_p(scaled, top_ks, top_ps)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(scaled).exponential_()
         for row, generator in (generators or {}).items():
             noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = scaled.sub_(noise.log_()).argmax(dim=-1)
         return torch.where(temperatures == 0, greedy, sampled)

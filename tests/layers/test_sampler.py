@@ -25,16 +25,16 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 def test_greedy_rows_take_the_argmax_and_others_sample():
     logits = torch.randn(4, 50)
-    tokens = Sampler()(logits, torch.tensor([0.0, 1.0, 0.0, 1.0]))
+    tokens = Sampler()(logits.clone(), torch.tensor([0.0, 1.0, 0.0, 1.0]))
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
     logits = torch.randn(6, 1000)
-    alone = Sampler()(logits[2:3], torch.tensor([1.0]), generators={0: torch.Generator().manual_seed(7)})
-    batched = Sampler()(logits, torch.ones(6), generators={2: torch.Generator().manual_seed(7)})
+    alone = Sampler()(logits[2:3].clone(), torch.tensor([1.0]), generators={0: torch.Generator().manual_seed(7)})
+    batched = Sampler()(logits.clone(), torch.ones(6), generators={2: torch.Generator().manual_seed(7)})
     assert alone[0] == batched[2]
-    again = [Sampler()(logits[2:3], torch.tensor([1.0]), generators={0: torch.Generator().manual_seed(7)})[0]
+    again = [Sampler()(logits[2:3].clone(), torch.tensor([1.0]), generators={0: torch.Generator().manual_seed(7)})[0]
              for _ in range(3)]
     assert all(t == alone[0] for t in again)
 
@@ -55,7 +55,7 @@ def test_temperature_sampling_follows_the_softmax():
 def test_top_k_sampling_never_leaves_the_top_k():
     torch.manual_seed(1)
     logits = torch.randn(2000, 64)
-    tokens = Sampler()(logits, torch.ones(2000), torch.full((2000,), 5), torch.ones(2000))
+    tokens = Sampler()(logits.clone(), torch.ones(2000), torch.full((2000,), 5), torch.ones(2000))
     top5 = logits.topk(5).indices
     assert (top5 == tokens[:, None]).any(dim=1).all()
     assert not math.isnan(tokens.float().mean().item())

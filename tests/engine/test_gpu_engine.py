@@ -1,0 +1,90 @@
+"""The engine on a GPU with the Triton kernels (attention included) and CUDA graphs: greedy
+tokens equal transformers' in fp32, equal the PyTorch-reference backend's, and in bf16 agree
+with fp32 transformers except where the two candidate tokens' logits nearly tie."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checkpoints import build_checkpoint  # noqa: E402
+
+from nanovllm import LLM, SamplingParams, kernels  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+PROMPTS = [[5, 17, 3, 99, 42] * 9, [200, 201], [33] * 300, list(range(40, 140))]
+MAX_TOKENS = 24
+ENGINE = dict(device="cuda", max_model_len=512, kvcache_block_size=16, max_num_batched_tokens=128,
+              gpu_memory_utilization=0.3)
+BF16_TIE = 2e-2  # relative logit gap below which bf16 rounding may pick either token
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("gpu"), arch="qwen3", tied=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).cuda().eval()
+
+
+def hf_greedy(model) -> list[list[int]]:
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS,
+                               min_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+
+
+def engine_tokens(checkpoint, **overrides) -> list[list[int]]:
+    llm = LLM(str(checkpoint), **{**ENGINE, **overrides})
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o["token_ids"] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_fp32_triton_engine_matches_transformers(checkpoint, hf_model, enforce_eager):
+    assert kernels.backend_for("cuda") == "triton"
+    assert engine_tokens(checkpoint, dtype="float32", enforce_eager=enforce_eager) == hf_greedy(hf_model)
+
+
+def test_fp32_triton_matches_the_torch_backend(checkpoint):
+    script = ("import json, sys; from nanovllm import LLM, SamplingParams, kernels; "
+              "llm = LLM(sys.argv[1], **json.loads(sys.argv[2])); "
+              "p = SamplingParams(temperature=0, max_tokens=int(sys.argv[4]), ignore_eos=True); "
+              "print(json.dumps([kernels.backend_for('cuda'), "
+              "[o['token_ids'] for o in llm.generate(json.loads(sys.argv[3]), p, use_tqdm=False)]]))")
+    env = {**os.environ, "NANOVLLM_KERNEL_BACKEND": "torch"}
+    out = subprocess.run([sys.executable, "-c", script, str(checkpoint), json.dumps({**ENGINE, "dtype": "float32"}),
+                          json.dumps(PROMPTS), str(MAX_TOKENS)], env=env, capture_output=True, text=True, check=True)
+    backend, torch_tokens = json.loads(out.stdout.strip().splitlines()[-1])
+    assert backend == "torch"
+    assert engine_tokens(checkpoint, dtype="float32") == torch_tokens
+
+
+def test_bf16_agrees_with_fp32_transformers_up_to_near_ties(checkpoint, hf_model):
+    ours = engine_tokens(checkpoint, dtype="bfloat16")
+    for prompt, tokens in zip(PROMPTS, ours):
+        reference = hf_greedy_continuation(hf_model, prompt, tokens)
+        for i, (got, want) in enumerate(zip(tokens, reference)):
+            if got != want:
+                logits = next_logits(hf_model, prompt + tokens[:i])
+                gap = (logits[want] - logits[got]).abs() / logits.abs().max()
+                assert gap < BF16_TIE, f"token {i}: {got} instead of {want}, relative logit gap {gap:.3g}"
+                break
+
+
+def hf_greedy_continuation(model, prompt, tokens) -> list[int]:
+    """fp32 greedy choice at each position given our own previous tokens (teacher forcing)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0]
+    return logits[len(prompt) - 1:-1].argmax(-1).tolist()
+
+
+def next_logits(model, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids], device="cuda")).logits[0, -1].float()

@@ -98,28 +98,43 @@ def sync(llm) -> None:
         torch.cuda.synchronize()
 
 
+def profiler_activities(llm):
+    cuda = [torch.profiler.ProfilerActivity.CUDA] if llm.config.torch_device.type == "cuda" else []
+    return [torch.profiler.ProfilerActivity.CPU, *cuda]
+
+
+def write_profile(prof, llm, out_dir: str, name: str) -> None:
+    """Chrome trace and key-averages table (by device time on a GPU, else CPU time)."""
+    trace, report = os.path.join(out_dir, f"{name}_trace.json"), os.path.join(out_dir, f"{name}_report.txt")
+    prof.export_chrome_trace(trace)
+    sort_by = "device_time_total" if llm.config.torch_device.type == "cuda" else "cpu_time_total"
+    with open(report, "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort_by, row_limit=50))
+    print(f"profile trace: {trace}\nprofile report: {report}")
+
+
 def profile_steps(llm, prompts, params, out_dir: str, num_steps: int = 12) -> None:
     """Profiles the workload where prefill ends and decode takes over: the last two steps
     that prefill prompts, then decode steps of the full batch."""
-    on_cuda = llm.config.torch_device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     prefill_steps = -(-sum(len(p) for p in prompts) // llm.config.max_num_batched_tokens)
     for _ in range(max(prefill_steps - 2, 0)):
         llm.step()
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=profiler_activities(llm)) as prof:
         for _ in range(num_steps):
             with torch.profiler.record_function("nanovllm.step"):
                 llm.step()
         sync(llm)
     for request_id in ids:
         llm.abort(request_id)
-    trace, report = os.path.join(out_dir, "profile_trace.json"), os.path.join(out_dir, "profile_report.txt")
-    prof.export_chrome_trace(trace)
-    sort_by = "device_time_total" if on_cuda else "cpu_time_total"
-    with open(report, "w") as f:
-        f.write(prof.key_averages().table(sort_by=sort_by, row_limit=50))
-    print(f"profile trace: {trace}\nprofile report: {report}")
+    write_profile(prof, llm, out_dir, "profile")
+
+
+def profile_first_token(llm, prompt_len: int, out_dir: str) -> None:
+    """One prompt to its first token: the eager prefill path, where launch overhead shows."""
+    with torch.profiler.profile(activities=profiler_activities(llm)) as prof:
+        time_to_first_token_ms(llm, prompt_len, repeats=1)
+    write_profile(prof, llm, out_dir, "profile_first_token")
 
 
 def time_to_first_token_ms(llm, prompt_len: int, repeats: int = 5) -> float:
@@ -206,6 +221,7 @@ def main():
           f"({ttft_len}-token prompt) {result[f'ttft_ms_{ttft_len}_tokens']} ms")
     if args.profile:
         profile_steps(llm, prompts, params, args.out)
+        profile_first_token(llm, ttft_len, args.out)
     if args.compare_hf:
         device, dtype = llm.config.torch_device, llm.config.torch_dtype
         del llm

@@ -51,8 +51,14 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         num_blocks = self.config.num_kvcache_blocks
-        if num_blocks <= 0:
-            num_blocks = self._blocks_from_gpu_memory() if self.device.type == "cuda" else self._cpu_default_blocks()
+        if num_blocks <= 0 and self.device.type == "cuda":
+            num_blocks = self._blocks_from_gpu_memory()
+            if num_blocks < self.max_blocks_per_seq:
+                raise ValueError(f"gpu_memory_utilization: {self.config.gpu_memory_utilization} of the GPU leaves "
+                                 f"room for {max(num_blocks, 0)} KV blocks after weights, activations and other "
+                                 f"processes; one sequence of max_model_len needs {self.max_blocks_per_seq}")
+        elif num_blocks <= 0:
+            num_blocks = self._cpu_default_blocks()
         if num_blocks < self.max_blocks_per_seq:
             raise ValueError(f"num_kvcache_blocks: {num_blocks} blocks of {self.block_size} tokens cannot hold "
                              f"one sequence of max_model_len={self.config.max_model_len} tokens")

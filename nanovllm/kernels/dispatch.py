@@ -5,6 +5,7 @@ NANOVLLM_KERNEL_BACKEND=auto (default): Triton for CUDA tensors when Triton impo
 reference otherwise (said once in a warning). With TRITON_INTERPRET=1, "auto" also sends CPU
 tensors to Triton's interpreter. "triton" never falls back: a call Triton cannot serve raises.
 "torch" always uses the references."""
+import functools
 import importlib
 import os
 import warnings
@@ -77,7 +78,12 @@ def _warn_fallback_once(reason: str) -> None:
 
 
 def implementation(op: str, device: torch.device):
-    if backend_for(device) == "torch":
+    return _implementation(op, device.type)
+
+
+@functools.cache  # the choice is fixed per process; looking it up must not cost every call
+def _implementation(op: str, device_type: str):
+    if backend_for(device_type) == "torch":
         return getattr(reference, op)
     module = importlib.import_module(f"nanovllm.kernels.{_TRITON_MODULES[op]}")
     return getattr(module, op)

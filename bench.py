@@ -6,9 +6,11 @@ Without a GPU the defaults shrink to a small Qwen3-shaped model and workload (un
 on 2 CPU cores). --profile writes a torch.profiler trace of a few prefill and decode steps;
 --compare-hf runs the same prompts through Hugging Face transformers in the same run."""
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import random
 import shutil
 import tempfile
@@ -131,10 +133,17 @@ def profile_steps(llm, prompts, params, out_dir: str, num_steps: int = 12) -> No
 
 
 def profile_first_token(llm, prompt_len: int, out_dir: str) -> None:
-    """One prompt to its first token: the eager prefill path, where launch overhead shows."""
+    """One prompt to its first token: the eager prefill path, where host overhead shows. The
+    Python profile names the host-side hot spots the torch profiler cannot see."""
     with torch.profiler.profile(activities=profiler_activities(llm)) as prof:
         time_to_first_token_ms(llm, prompt_len, repeats=1)
     write_profile(prof, llm, out_dir, "profile_first_token")
+    python_profile = cProfile.Profile()
+    python_profile.runcall(time_to_first_token_ms, llm, prompt_len, 1)
+    path = os.path.join(out_dir, "profile_first_token_python.txt")
+    with open(path, "w") as f:
+        pstats.Stats(python_profile, stream=f).sort_stats("tottime").print_stats(40)
+    print(f"python profile: {path}")
 
 
 def time_to_first_token_ms(llm, prompt_len: int, repeats: int = 5) -> float:

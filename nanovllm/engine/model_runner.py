@@ -24,10 +24,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_batch_sizes: list[int] = []
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager and kernels.graph_capturable(self.device):
-            self._capture_decode_graphs()
+            self._capture_graphs()
 
     # --- building -----------------------------------------------------------------------
     def _build_model(self):
@@ -149,10 +148,8 @@ class ModelRunner:
         """One forward pass; returns the sampled token of each sequence that finished its prompt
         or decoded, by request id."""
         step = self.prepare(batch)
-        if step["max_seqlen_q"] == 1 and self.graphs and len(batch) <= self.graph_batch_sizes[-1]:
-            hidden = self._replay_decode_graph(step)
-        else:
-            hidden = self._run_eager(step)
+        shape = self._graph_shape_for(step) if self.graphs else None
+        hidden = self._replay_graph(step, shape) if shape else self._run_eager(step)
         if not step["sample_rows"]:
             return {}
         last_rows = [step["cu_seqlens_q"][row + 1] - 1 for row in step["sample_rows"]]
@@ -188,53 +185,84 @@ class ModelRunner:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
         return seq.generator
 
-    # --- CUDA graphs for decode -------------------------------------------------------------
-    def _capture_decode_graphs(self) -> None:
+    # --- CUDA graphs -----------------------------------------------------------------------
+    # A graph is captured for a shape (tokens, sequences, max_seqlen_q): decode batches of
+    # 1..max_num_seqs sequences, and single-sequence prefills of up to max_num_batched_tokens
+    # (which otherwise spend ~30 ms launching ~400 kernels from Python, for ~2 ms of GPU work).
+    # A step runs in the smallest graph that holds it. Padding rows belong to padding sequences
+    # of seq_len 0: they read no keys, write no cache slot (-1), and their output is dropped.
+    def _capture_graphs(self) -> None:
         max_bs = min(self.config.max_num_seqs, 512)
-        self.graph_batch_sizes = sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})
-        device = self.device
+        decode = [(b, b, 1) for b in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})]
+        max_prefill = min(self.config.max_num_batched_tokens, self.config.max_model_len, 8192)
+        prefill = [(t, 2, t) for t in (16 << i for i in range(10)) if t <= max_prefill]
+        self.graph_shapes = decode + prefill
+        max_tokens = max(t for t, _, _ in self.graph_shapes)
+        max_seqs = max(s for _, s, _ in self.graph_shapes)
+        device, long = self.device, torch.long
         self.graph_inputs = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.long, device=device),
-            positions=torch.zeros(max_bs, dtype=torch.long, device=device),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.long, device=device),
-            seq_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
-            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            input_ids=torch.zeros(max_tokens, dtype=long, device=device),
+            positions=torch.zeros(max_tokens, dtype=long, device=device),
+            slot_mapping=torch.full((max_tokens,), -1, dtype=long, device=device),
+            seq_lens=torch.zeros(max_seqs, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.arange(max_seqs + 1, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=device),
         )
-        self.graph_output = torch.zeros(max_bs, self.config.hf_config.hidden_size, dtype=self.dtype, device=device)
+        self.graph_output = torch.zeros(max_tokens, self.config.hf_config.hidden_size, dtype=self.dtype, device=device)
         pool = None
-        for size in reversed(self.graph_batch_sizes):
+        for shape in sorted(self.graph_shapes, reverse=True):  # largest first: the rest reuse its pool
+            self._cu_seqlens_for(shape)
             graph = torch.cuda.CUDAGraph()
-            self._decode_forward(size)  # compiles kernels and settles allocations outside capture
+            self._graph_forward(shape)  # compiles kernels and settles allocations outside capture
             with torch.cuda.graph(graph, pool):
-                self._decode_forward(size)
+                self._graph_forward(shape)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[shape] = graph
         torch.cuda.synchronize()
         reset_context()
 
-    def _decode_forward(self, size: int) -> None:
-        g = self.graph_inputs
-        set_context(cu_seqlens_q=g["cu_seqlens_q"][:size + 1], seq_lens=g["seq_lens"][:size],
-                    block_tables=g["block_tables"][:size], slot_mapping=g["slot_mapping"][:size], max_seqlen_q=1)
-        self.graph_output[:size] = self.model(g["input_ids"][:size], g["positions"][:size])
+    def _cu_seqlens_for(self, shape) -> None:
+        tokens, seqs, _ = shape
+        cu = self.graph_inputs["cu_seqlens_q"]
+        cu[:seqs].copy_(torch.arange(seqs))
+        cu[seqs] = tokens
 
-    def _replay_decode_graph(self, step) -> torch.Tensor:
-        batch_size = len(step["seq_lens"])
-        size = next(s for s in self.graph_batch_sizes if s >= batch_size)
+    def _graph_forward(self, shape) -> None:
+        tokens, seqs, max_seqlen_q = shape
         g = self.graph_inputs
-        # Padding rows have seq_len 0 and slot -1: they read no keys and write nowhere.
-        g["slot_mapping"][batch_size:size].fill_(-1)
-        g["seq_lens"][batch_size:size].zero_()
-        # One host-to-device copy for the four per-row inputs.
-        rows = self._to_device(step["input_ids"] + step["positions"] + step["slot_mapping"] + step["seq_lens"],
-                               torch.long).view(4, batch_size)
-        for i, name in enumerate(("input_ids", "positions", "slot_mapping", "seq_lens")):
-            g[name][:batch_size].copy_(rows[i], non_blocking=True)
+        set_context(cu_seqlens_q=g["cu_seqlens_q"][:seqs + 1], seq_lens=g["seq_lens"][:seqs],
+                    block_tables=g["block_tables"][:seqs], slot_mapping=g["slot_mapping"][:tokens],
+                    max_seqlen_q=max_seqlen_q)
+        self.graph_output[:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
+
+    def _graph_shape_for(self, step) -> tuple | None:
+        num_seqs, num_tokens = len(step["seq_lens"]), len(step["input_ids"])
+        if step["max_seqlen_q"] == 1:
+            fits = [s for s in self.graph_shapes if s[2] == 1 and s[1] >= num_seqs]
+        elif num_seqs == 1:
+            fits = [s for s in self.graph_shapes if s[2] > 1 and s[0] >= num_tokens]
+        else:
+            return None
+        return min(fits, default=None)
+
+    def _replay_graph(self, step, shape) -> torch.Tensor:
+        tokens, seqs, _ = shape
+        num_tokens, num_seqs = len(step["input_ids"]), len(step["seq_lens"])
+        g = self.graph_inputs
+        g["slot_mapping"][num_tokens:tokens].fill_(-1)
+        g["seq_lens"][num_seqs:seqs].zero_()
+        # Padding sequences take one padding row each, the last one all that remain.
+        cu = step["cu_seqlens_q"] + [num_tokens + i for i in range(1, seqs - num_seqs)] + [tokens] * (seqs > num_seqs)
+        # One host-to-device copy for every per-token and per-sequence input.
+        packed = self._to_device(step["input_ids"] + step["positions"] + step["slot_mapping"] + step["seq_lens"] + cu,
+                                 torch.long)
+        pieces = packed.split([num_tokens] * 3 + [num_seqs, seqs + 1])
+        for name, piece in zip(("input_ids", "positions", "slot_mapping", "seq_lens", "cu_seqlens_q"), pieces):
+            g[name][:len(piece)].copy_(piece, non_blocking=True)
         tables = self._to_device(step["block_tables"], torch.int32)
-        g["block_tables"][:batch_size, :tables.shape[1]].copy_(tables, non_blocking=True)
-        self.graphs[size].replay()
-        return self.graph_output[:batch_size]
+        g["block_tables"][:num_seqs, :tables.shape[1]].copy_(tables, non_blocking=True)
+        self.graphs[shape].replay()
+        return self.graph_output[:num_tokens]
 
     def memory_stats(self) -> dict:
         stats = {"kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}

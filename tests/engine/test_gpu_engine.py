@@ -53,6 +53,15 @@ def test_fp32_triton_engine_matches_transformers(checkpoint, hf_model, enforce_e
     assert engine_tokens(checkpoint, dtype="float32", enforce_eager=enforce_eager) == hf_greedy(hf_model)
 
 
+def test_fp32_single_prompts_run_through_prefill_graphs(checkpoint, hf_model):
+    """Alone, each prompt (or each 128-token chunk of it) is prefilled by a captured graph."""
+    llm = LLM(str(checkpoint), **{**ENGINE, "dtype": "float32"})
+    assert any(shape[2] > 1 for shape in llm.model_runner.graphs), "no prefill graphs were captured"
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = [llm.generate([p], params, use_tqdm=False)[0]["token_ids"] for p in PROMPTS]
+    assert alone == hf_greedy(hf_model)
+
+
 def test_fp32_triton_matches_the_torch_backend(checkpoint):
     script = ("import json, sys; from nanovllm import LLM, SamplingParams, kernels; "
               "llm = LLM(sys.argv[1], **json.loads(sys.argv[2])); "

@@ -153,7 +153,9 @@ class ModelRunner:
         if not step["sample_rows"]:
             return {}
         last_rows = [step["cu_seqlens_q"][row + 1] - 1 for row in step["sample_rows"]]
-        logits = self.model.compute_logits(hidden[self._to_device(last_rows, torch.long)])
+        if len(last_rows) < hidden.shape[0]:  # a decode step samples every row: no gather needed
+            hidden = hidden[self._to_device(last_rows, torch.long)]
+        logits = self.model.compute_logits(hidden)
         seqs = [batch.seqs[row] for row in step["sample_rows"]]
         tokens = self.sampler(logits, *self._sampling_tensors(seqs)).tolist()
         return {seq.request_id: token for seq, token in zip(seqs, tokens)}
@@ -177,8 +179,9 @@ class ModelRunner:
             top_ks = self._to_device([s.params.top_k if s.params.top_k != -1 else vocab for s in seqs], torch.long)
             top_ps = self._to_device([s.params.top_p for s in seqs], torch.float32)
         generators = {row: self._generator(seq) for row, seq in enumerate(seqs) if seq.params.seed is not None}
-        all_greedy = all(s.params.temperature == 0 for s in seqs)
-        return temperatures, top_ks, top_ps, generators, all_greedy
+        num_greedy = sum(s.params.temperature == 0 for s in seqs)
+        greedy_rows = "all" if num_greedy == len(seqs) else "some" if num_greedy else "none"
+        return temperatures, top_ks, top_ps, generators, greedy_rows
 
     def _generator(self, seq) -> torch.Generator:
         if seq.generator is None:

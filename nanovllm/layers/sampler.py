@@ -22,12 +22,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
                 top_ps: torch.Tensor | None = None, generators: dict[int, torch.Generator] | None = None,
-                all_greedy: bool = False):
+                greedy_rows: str = "some"):
         """logits [B, V] fp32, overwritten; temperatures [B]; top_ks/top_ps [B] or None when no
-        row filters; generators: row -> generator for seeded rows. Returns token ids [B]."""
-        greedy = logits.argmax(dim=-1)
-        if all_greedy:
-            return greedy
+        row filters; generators: row -> generator for seeded rows; greedy_rows: "all", "none" or
+        "some" of the rows have temperature 0 (each answer skips a pass over the logits).
+        Returns token ids [B]."""
+        if greedy_rows == "all":
+            return logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1) if greedy_rows == "some" else None
         scaled = logits.div_(temperatures.clamp_min(1e-6)[:, None])
         if top_ks is not None:
             scaled = apply_top_k_top_p(scaled, top_ks, top_ps)
@@ -35,4 +37,4 @@ class Sampler(nn.Module):
         for row, generator in (generators or {}).items():
             noise[row].exponential_(generator=generator)
         sampled = scaled.sub_(noise.log_()).argmax(dim=-1)
-        return torch.where(temperatures == 0, greedy, sampled)
+        return sampled if greedy is None else torch.where(temperatures == 0, greedy, sampled)

@@ -59,3 +59,12 @@ def test_top_k_sampling_never_leaves_the_top_k():
     top5 = logits.topk(5).indices
     assert (top5 == tokens[:, None]).any(dim=1).all()
     assert not math.isnan(tokens.float().mean().item())
+
+
+def test_greedy_row_hints_give_the_same_tokens():
+    logits = torch.randn(5, 300)
+    temperatures = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])
+    assert torch.equal(Sampler()(logits.clone(), temperatures, greedy_rows="all"), logits.argmax(-1))
+    assert torch.equal(Sampler()(logits.clone(), temperatures, greedy_rows="some"), logits.argmax(-1))
+    hot = torch.full((5,), 1e-4)  # near-zero temperature: sampling collapses onto the argmax
+    assert torch.equal(Sampler()(logits.clone(), hot, greedy_rows="none"), logits.argmax(-1))

@@ -77,6 +77,8 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True):
     """Per-sequence gather of the cached K/V, then attention in fp32 (float64 for float64
     inputs). A sequence whose query sees no key (seq_len 0) gets zeros."""
+    if q.shape[0] == seq_lens.shape[0] and max_seqlen_q == 1:
+        return _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
     out = torch.zeros_like(q)
     dtype = _compute_dtype(q)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
@@ -95,3 +97,21 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         attended = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
+    """Every sequence has exactly one query row (a decode step): one batched attention over
+    caches gathered to the widest block table, instead of a Python loop over sequences."""
+    dtype = _compute_dtype(q)
+    num_seqs, width = block_tables.shape
+    block_size = k_cache.shape[1]
+    blocks = block_tables.clamp_min(0).flatten().long()  # padding entries are masked below
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [seqs, kv_heads, keys, head_dim]
+        rows = cache.index_select(0, blocks).view(num_seqs, width * block_size, *cache.shape[2:])
+        return rows.to(dtype).transpose(1, 2)
+
+    visible = torch.arange(width * block_size, device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None], gather(k_cache), gather(v_cache),
+                                         attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
+    return out[:, :, 0].masked_fill((seq_lens == 0)[:, None, None], 0).to(q.dtype)

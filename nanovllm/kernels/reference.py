@@ -107,11 +107,13 @@ def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
     block_size = k_cache.shape[1]
     blocks = block_tables.clamp_min(0).flatten().long()  # padding entries are masked below
 
+    visible = torch.arange(width * block_size, device=q.device)[None, :] < seq_lens[:, None]
+
     def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [seqs, kv_heads, keys, head_dim]
         rows = cache.index_select(0, blocks).view(num_seqs, width * block_size, *cache.shape[2:])
-        return rows.to(dtype).transpose(1, 2)
+        # Slots past a sequence's end may hold anything (NaN too): masking scores is not enough.
+        return rows.masked_fill(~visible[:, :, None, None], 0).to(dtype).transpose(1, 2)
 
-    visible = torch.arange(width * block_size, device=q.device)[None, :] < seq_lens[:, None]
     out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None], gather(k_cache), gather(v_cache),
                                          attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
     return out[:, :, 0].masked_fill((seq_lens == 0)[:, None, None], 0).to(q.dtype)

@@ -30,6 +30,11 @@ def make(query_lens, seq_lens, heads=(6, 2), head_dim=32, block_size=16, seed=0)
     v_cache = torch.randn(num_blocks, block_size, heads[1], head_dim, dtype=torch.float64, generator=gen)
     block_tables = torch.randperm(num_blocks, generator=gen)[:len(seq_lens) * width].view(len(seq_lens), width)
     block_tables[:, -1] = -1  # padding past every sequence's last block
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for row, n in zip(block_tables, seq_lens):
+        for i in range(n):
+            owned[row[i // block_size], i % block_size] = True
+    k_cache[~owned], v_cache[~owned] = float("nan"), float("nan")  # what no sequence owns is never read
     cu = torch.tensor([0, *query_lens]).cumsum(0)
     q = torch.randn(int(cu[-1]), heads[0], head_dim, dtype=torch.float64, generator=gen)
     return q, k_cache, v_cache, cu, torch.tensor(seq_lens), block_tables.int()
@@ -40,5 +45,5 @@ def test_reference_matches_naive_attention(query_lens, seq_lens):
     q, k_cache, v_cache, cu, lens, tables = make(query_lens, seq_lens)
     got = reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q=cu, seq_lens=lens, block_tables=tables,
                                     max_seqlen_q=max(query_lens), scale=0.3)
-    want = naive(q, k_cache, v_cache, cu, lens, tables, 0.3)
+    want = naive(q, torch.nan_to_num(k_cache), torch.nan_to_num(v_cache), cu, lens, tables, 0.3)
     assert ((got - want).norm() / want.norm()).item() < 1e-12

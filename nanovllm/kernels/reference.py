@@ -77,7 +77,7 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True):
     """Per-sequence gather of the cached K/V, then attention in fp32 (float64 for float64
     inputs). A sequence whose query sees no key (seq_len 0) gets zeros."""
-    if q.shape[0] == seq_lens.shape[0] and max_seqlen_q == 1:
+    if q.shape[0] == seq_lens.shape[0] and max_seqlen_q == 1 and _padding_is_cheap(seq_lens, block_tables, k_cache):
         return _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
     out = torch.zeros_like(q)
     dtype = _compute_dtype(q)
@@ -97,6 +97,14 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         attended = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _padding_is_cheap(seq_lens, block_tables, k_cache) -> bool:
+    """The batched decode path gathers every sequence to the widest block table: worth it
+    while that at most quadruples the keys read and the gathered copy stays small."""
+    padded_keys = block_tables.numel() * k_cache.shape[1]
+    gathered_elements = padded_keys * k_cache.shape[2] * k_cache.shape[3]
+    return padded_keys <= 4 * int(seq_lens.sum()) + k_cache.shape[1] * seq_lens.shape[0] and gathered_elements <= 1 << 28
 
 
 def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):

@@ -1,7 +1,10 @@
 """Owns the model and its KV cache on one device: builds and loads the model, sizes the cache,
 turns a scheduled batch into tensors, runs the forward pass (a captured CUDA graph for decode
 batches) and samples."""
+import random
+
 import torch
+import xxhash
 
 from nanovllm import kernels
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
@@ -22,6 +25,7 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"
         self.model = self._build_model()
         self.sampler = Sampler()
+        self.noise_rng = random.Random()  # seeds the noise of unseeded requests, from OS entropy
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -173,20 +177,19 @@ class ModelRunner:
 
     def _sampling_tensors(self, seqs):
         temperatures = self._to_device([s.params.temperature for s in seqs], torch.float32)
-        top_ks = top_ps = None
-        if any(s.params.top_k != -1 or s.params.top_p < 1 for s in seqs):
-            vocab = self.config.hf_config.vocab_size
-            top_ks = self._to_device([s.params.top_k if s.params.top_k != -1 else vocab for s in seqs], torch.long)
-            top_ps = self._to_device([s.params.top_p for s in seqs], torch.float32)
-        generators = {row: self._generator(seq) for row, seq in enumerate(seqs) if seq.params.seed is not None}
-        num_greedy = sum(s.params.temperature == 0 for s in seqs)
-        greedy_rows = "all" if num_greedy == len(seqs) else "some" if num_greedy else "none"
-        return temperatures, top_ks, top_ps, generators, greedy_rows
+        seeds = self._to_device([self._noise_seed(s) for s in seqs], torch.long)
+        if not any(s.params.top_k != -1 or s.params.top_p < 1 for s in seqs):
+            return temperatures, seeds
+        vocab = self.config.hf_config.vocab_size
+        top_ks = self._to_device([s.params.top_k if s.params.top_k != -1 else vocab for s in seqs], torch.long)
+        return temperatures, seeds, top_ks, self._to_device([s.params.top_p for s in seqs], torch.float32)
 
-    def _generator(self, seq) -> torch.Generator:
-        if seq.generator is None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-        return seq.generator
+    def _noise_seed(self, seq) -> int:
+        """The sampling noise key of a sequence's next token: from its seed and position when
+        it has one (the same token in any batch, across preemptions), else fresh."""
+        if seq.params.seed is None:
+            return self.noise_rng.getrandbits(31)
+        return xxhash.xxh32_intdigest(f"{seq.params.seed}:{seq.num_output_tokens}".encode()) & 0x7FFFFFFF
 
     # --- CUDA graphs -----------------------------------------------------------------------
     # A graph is captured for a shape (tokens, sequences, max_seqlen_q): decode batches of

@@ -22,7 +22,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
-        self.generator = None  # a torch.Generator, made on first sampling when params.seed is set
 
     def __len__(self) -> int:
         return len(self.token_ids)

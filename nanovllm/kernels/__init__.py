@@ -9,7 +9,7 @@ from nanovllm.kernels.dispatch import KERNELS_AVAILABLE, backend_for, implementa
 __all__ = [
     "KERNELS_AVAILABLE", "backend_for", "benchmark_kernel", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
-    "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "paged_attention",
+    "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "paged_attention", "gumbel_sample",
 ]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -157,3 +157,17 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     return implementation("paged_attention", q.device)(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables,
         max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal)
+
+
+def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits [B, V]: a draw from softmax(logits / T) by the Gumbel-max
+    trick, its noise keyed by seeds[i] (int64, < 2^31) alone, so a row's token does not depend
+    on the batch; argmax(logits) where temperatures[i] == 0. -inf logits are never drawn.
+    Returns int64 [B]."""
+    _require_float(logits, "logits")
+    _require(logits.dim() == 2, "logits", f"must be [rows, vocab], got shape {tuple(logits.shape)}")
+    _require_float(temperatures, "temperatures")
+    _require(temperatures.shape == logits.shape[:1], "temperatures", "must have one entry per row")
+    _require_index(seeds, "seeds", 1)
+    _require(seeds.shape == logits.shape[:1], "seeds", "must have one entry per row")
+    return implementation("gumbel_sample", logits.device)(logits, temperatures, seeds)

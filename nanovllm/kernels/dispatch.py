@@ -26,6 +26,7 @@ _TRITON_MODULES = {
     "apply_rotary_emb": "rotary",
     "store_kvcache": "kv_cache",
     "paged_attention": "attention",
+    "gumbel_sample": "sampling",
 }
 
 

@@ -60,6 +60,20 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return rotate(q), rotate(k)
 
 
+def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """argmax(logits / T + Gumbel noise), the noise of row i drawn from a generator seeded with
+    seeds[i]; argmax(logits) where T == 0. Same distribution as the Triton kernel; the random
+    streams differ."""
+    greedy = logits.argmax(dim=-1)
+    out = greedy.clone()
+    for row in (temperatures > 0).nonzero().flatten().tolist():
+        generator = torch.Generator(device=logits.device).manual_seed(int(seeds[row]))
+        u = torch.rand(logits.shape[1], generator=generator, device=logits.device, dtype=torch.float64)
+        noisy = logits[row].double() / float(temperatures[row]) - torch.log(-torch.log(u.clamp(max=1 - 2 ** -53)))
+        out[row] = noisy.argmax()
+    return out
+
+
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
     valid = (slot_mapping >= 0).nonzero().flatten()
     slots = slot_mapping.index_select(0, valid).long()

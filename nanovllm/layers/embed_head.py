@@ -13,7 +13,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding):
-    """Projects hidden states to vocabulary logits in fp32, for sampling."""
+    """Projects hidden states to vocabulary logits (in the model's dtype: the sampler reads
+    them once and computes in fp32)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight).float()
+        return F.linear(hidden_states, self.weight)

@@ -49,6 +49,7 @@ class LLMEngine:
         # Outputs of online requests that finished inside generate(), for the next step() call.
         self._undelivered: list[dict] = []
         self.last_step_tokens = (0, 0)  # (prefill, decode) tokens computed by the last step
+        self._prefill_rate = self._decode_rate = 0.0  # tokens/s of the last step of each kind, for tqdm
 
     # --- requests --------------------------------------------------------------------------
     def _prompt_token_ids(self, prompt) -> list[int]:
@@ -152,8 +153,8 @@ class LLMEngine:
             self._prefill_rate = prefill / seconds
         if decode:
             self._decode_rate = decode / seconds
-        bar.set_postfix_str(f"prefill {getattr(self, '_prefill_rate', 0):.0f} tok/s, "
-                            f"decode {getattr(self, '_decode_rate', 0):.0f} tok/s", refresh=False)
+        bar.set_postfix_str(f"prefill {self._prefill_rate:.0f} tok/s, decode {self._decode_rate:.0f} tok/s",
+                            refresh=False)
 
     def memory_stats(self) -> dict:
         manager = self.scheduler.block_manager

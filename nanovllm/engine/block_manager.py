@@ -1,6 +1,7 @@
 """Paged KV-cache bookkeeping: which blocks each sequence holds, reference counts, a free list,
-and prefix caching. A full block is known by a hash chained over every token up to its end;
-a hit is also checked token by token, so a hash collision can never share wrong keys."""
+and prefix caching. A full block is known by a 64-bit hash chained over every token up to its
+end; a hit is also checked against the block's own tokens, so sharing wrong keys would take a
+64-bit collision of the hash of the tokens before it."""
 import numpy as np
 import xxhash
 

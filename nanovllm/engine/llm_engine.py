@@ -91,8 +91,9 @@ class LLMEngine:
     def step(self) -> list[dict]:
         """Runs one batch. Returns an output for every request that received a token (and for
         online requests that finished while generate() ran)."""
-        undelivered, self._undelivered = self._undelivered, []
-        return undelivered + (self._step() if not self.scheduler.is_finished() else [])
+        new = self._step() if not self.scheduler.is_finished() else []
+        undelivered, self._undelivered = self._undelivered, []  # after the step: kept if it raised
+        return undelivered + new
 
     def _step(self, finished_only: bool = False) -> list[dict]:
         """One batch; outputs of the requests that received a token, or with `finished_only`
@@ -108,8 +109,8 @@ class LLMEngine:
 
     @staticmethod
     def _count_tokens(batch: ScheduledBatch) -> tuple[int, int]:
-        decode = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                     if seq.num_computed_tokens >= seq.num_prompt_tokens)
+        decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                     if n == 1 and seq.num_computed_tokens + 1 == len(seq) > seq.num_prompt_tokens)
         return sum(batch.num_new_tokens) - decode, decode
 
     def _output(self, seq: Sequence) -> dict:
@@ -135,17 +136,27 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         outputs, own = {}, {seq.request_id for seq in seqs}
-        with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while not self.scheduler.is_finished():
+        try:
+            self._run_until_done(outputs, own, use_tqdm)
+        except BaseException:
+            for request_id in own - outputs.keys():  # a failed call leaves nothing queued behind
+                self.abort(request_id)
+            raise
+        return [{key: outputs[seq.request_id][key] for key in ("text", "token_ids", "finish_reason")} for seq in seqs]
+
+    def _run_until_done(self, outputs: dict, own: set, use_tqdm: bool) -> None:
+        """Steps until every request in `own` has finished (online requests run alongside;
+        their outputs wait for step())."""
+        with tqdm(total=len(own), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while len(outputs) < len(own) and not self.scheduler.is_finished():
                 started = time.perf_counter()
                 for out in self._step(finished_only=True):
                     if out["request_id"] not in own:
                         self._undelivered.append(out)
-                    elif out["finished"]:
+                    else:
                         outputs[out["request_id"]] = out
                         bar.update(1)
                 self._show_throughput(bar, time.perf_counter() - started)
-        return [{key: outputs[seq.request_id][key] for key in ("text", "token_ids", "finish_reason")} for seq in seqs]
 
     def _show_throughput(self, bar, seconds: float) -> None:
         prefill, decode = self.last_step_tokens

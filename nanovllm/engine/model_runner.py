@@ -53,18 +53,14 @@ class ModelRunner:
         return per_token * self.block_size
 
     def _allocate_kv_cache(self) -> int:
-        num_blocks = self.config.num_kvcache_blocks
+        num_blocks, field = self.config.num_kvcache_blocks, "num_kvcache_blocks"
         if num_blocks <= 0 and self.device.type == "cuda":
-            num_blocks = self._blocks_from_gpu_memory()
-            if num_blocks < self.max_blocks_per_seq:
-                raise ValueError(f"gpu_memory_utilization: {self.config.gpu_memory_utilization} of the GPU leaves "
-                                 f"room for {max(num_blocks, 0)} KV blocks after weights, activations and other "
-                                 f"processes; one sequence of max_model_len needs {self.max_blocks_per_seq}")
+            num_blocks, field = self._blocks_from_gpu_memory(), "gpu_memory_utilization"
         elif num_blocks <= 0:
             num_blocks = self._cpu_default_blocks()
         if num_blocks < self.max_blocks_per_seq:
-            raise ValueError(f"num_kvcache_blocks: {num_blocks} blocks of {self.block_size} tokens cannot hold "
-                             f"one sequence of max_model_len={self.config.max_model_len} tokens")
+            raise ValueError(f"{field}: leaves room for {max(num_blocks, 0)} KV blocks of {self.block_size} tokens; "
+                             f"one sequence of max_model_len={self.config.max_model_len} needs {self.max_blocks_per_seq}")
         self._bind_kv_cache(num_blocks)
         return num_blocks
 
@@ -82,15 +78,17 @@ class ModelRunner:
 
     def _blocks_from_gpu_memory(self) -> int:
         """Runs the largest step the scheduler can produce (with a temporary cache just large
-        enough for it), then gives the cache what is left of gpu_memory_utilization."""
-        seq_len = self.config.max_model_len
-        num_seqs = max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
-        warmup_blocks = num_seqs * self.max_blocks_per_seq
+        enough for it) and the sampling of a full decode batch, then gives the cache what is
+        left of gpu_memory_utilization."""
+        seq_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
+        num_seqs = -(-self.config.max_num_batched_tokens // seq_len)
         torch.cuda.empty_cache()
+        self._bind_kv_cache(num_seqs * self.max_blocks_per_seq)
+        # Weights and the temporary cache are in `base`; the peak above it is the activations.
+        base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._bind_kv_cache(warmup_blocks)
-        self._warmup(num_seqs, min(seq_len, self.config.max_num_batched_tokens))
-        peak_activations = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.numel() * self.dtype.itemsize
+        self._warmup(num_seqs, seq_len)
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - base
         del self.kv_cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -100,17 +98,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup(self, num_seqs: int, seq_len: int) -> None:
-        tokens = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
-        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
-        blocks = torch.arange(num_seqs * self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
-        set_context(cu_seqlens_q=torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=self.device),
-                    seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
-                    block_tables=blocks.view(num_seqs, -1), max_seqlen_q=seq_len,
-                    slot_mapping=(blocks.view(num_seqs, -1)[:, :, None] * self.block_size
-                                  + torch.arange(self.block_size, device=self.device)).flatten(1)[:, :seq_len].flatten())
+        device = self.device
+        tokens = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=device)
+        positions = torch.arange(seq_len, device=device).repeat(num_seqs)
+        tables = torch.arange(num_seqs * self.max_blocks_per_seq, dtype=torch.int32, device=device).view(num_seqs, -1)
+        slots = (tables[:, :, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten(1)
+        set_context(cu_seqlens_q=torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=device),
+                    seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
+                    block_tables=tables, max_seqlen_q=seq_len, slot_mapping=slots[:, :seq_len].flatten().long())
         hidden = self.model(tokens, positions)
-        self.model.compute_logits(hidden[-num_seqs:])
         reset_context()
+        rows = self.config.max_num_seqs  # a full decode batch samples this many rows, with filters
+        logits = self.model.compute_logits(hidden[-1:].expand(rows, -1))
+        ones = torch.ones(rows, device=device)
+        self.sampler(logits, ones, torch.zeros(rows, dtype=torch.long, device=device),
+                     torch.full((rows,), 50, device=device), ones * 0.9)
 
     # --- one step -------------------------------------------------------------------------
     def _to_device(self, values, dtype) -> torch.Tensor:
@@ -170,10 +172,11 @@ class ModelRunner:
                     block_tables=self._to_device(step["block_tables"], torch.int32),
                     slot_mapping=self._to_device(step["slot_mapping"], torch.long),
                     max_seqlen_q=step["max_seqlen_q"])
-        hidden = self.model(self._to_device(step["input_ids"], torch.long),
-                            self._to_device(step["positions"], torch.long))
-        reset_context()
-        return hidden
+        try:
+            return self.model(self._to_device(step["input_ids"], torch.long),
+                              self._to_device(step["positions"], torch.long))
+        finally:
+            reset_context()  # the step's tensors must not outlive it, even on an error
 
     def _sampling_tensors(self, seqs):
         temperatures = self._to_device([s.params.temperature for s in seqs], torch.float32)
@@ -199,7 +202,7 @@ class ModelRunner:
     # of seq_len 0: they read no keys, write no cache slot (-1), and their output is dropped.
     def _capture_graphs(self) -> None:
         max_bs = min(self.config.max_num_seqs, 512)
-        decode = [(b, b, 1) for b in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})]
+        decode = [(b, b, 1) for b in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}) if b <= max_bs]
         max_prefill = min(self.config.max_num_batched_tokens, self.config.max_model_len, 8192)
         prefill = [(t, 2, t) for t in (16 << i for i in range(10)) if t <= max_prefill]
         self.graph_shapes = decode + prefill

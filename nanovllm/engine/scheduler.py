@@ -39,8 +39,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
+        preemptions = self.num_preemptions
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
-        self._schedule_waiting(batch, budget)
+        if self.num_preemptions == preemptions or not batch:  # else a victim would come straight back
+            self._schedule_waiting(batch, budget)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:

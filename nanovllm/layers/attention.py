@@ -9,9 +9,9 @@ class Attention(nn.Module):
     """Writes this step's keys and values into the paged cache, then attends over it. The
     cache tensors are attached by the model runner once it has sized them."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float):
+    def __init__(self, scale: float):
         super().__init__()
-        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.scale = scale
         self.k_cache = self.v_cache = torch.tensor([])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
     outside = ranks[None, :] >= top_ks[:, None]
     probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    outside |= mass_before >= top_ps[:, None]
+    # top_p = 1 keeps everything: fp32 cumulative sums can reach 1.0 before the tail
+    outside |= (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
 
 

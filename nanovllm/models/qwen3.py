@@ -22,8 +22,7 @@ class QwenAttention(nn.Module):
                                           config.num_key_value_heads, bias=config.attention_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.attn = Attention(config.num_attention_heads, config.head_dim, config.num_key_value_heads,
-                              scale=config.head_dim ** -0.5)
+        self.attn = Attention(scale=config.head_dim ** -0.5)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)

@@ -239,3 +239,45 @@ def test_generate_takes_a_single_prompt(llm):
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     assert llm.generate([7, 8, 9], params, use_tqdm=False) == llm.generate([[7, 8, 9]], params, use_tqdm=False)
     assert len(llm.generate("Hi there", params, use_tqdm=False)) == 1
+
+
+def test_generate_does_not_wait_for_other_online_requests(checkpoint, new_llm):
+    llm = new_llm(checkpoint("qwen3_tied"))
+    long_id = llm.add_request([3, 4, 5], sampled(max_tokens=40))
+    llm.generate([[7, 8]], sampled(max_tokens=2), use_tqdm=False)
+    running = {seq.request_id: seq for seq in llm.scheduler.running}
+    assert long_id in running and running[long_id].num_output_tokens < 40
+    finished = run_until_idle(llm)
+    assert len(finished[long_id]["token_ids"]) == 40
+
+
+def test_a_failed_generate_leaves_nothing_queued(checkpoint, new_llm, monkeypatch):
+    llm = new_llm(checkpoint("qwen3_tied"))
+    calls = {"n": 0}
+    run = llm.model_runner.run
+
+    def fail_on_third_step(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return run(batch)
+
+    monkeypatch.setattr(llm.model_runner, "run", fail_on_third_step)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate([[7, 8], [9, 10, 11]], sampled(max_tokens=10), use_tqdm=False)
+    assert llm.is_finished() and llm.memory_stats()["kv_blocks_used"] == 0
+    monkeypatch.setattr(llm.model_runner, "run", run)
+    assert [len(o["token_ids"]) for o in llm.generate([[7, 8]], sampled(max_tokens=3), use_tqdm=False)] == [3]
+
+
+def test_outputs_waiting_for_step_survive_a_failed_step(checkpoint, new_llm, monkeypatch):
+    llm = new_llm(checkpoint("qwen3_tied"))
+    online = llm.add_request([3, 4, 5], sampled(max_tokens=2))
+    later = llm.add_request([6, 7, 8], sampled(max_tokens=30))
+    llm.generate([[7, 8]], sampled(max_tokens=4), use_tqdm=False)  # finishes `online` on the way
+    monkeypatch.setattr(llm, "_step", lambda finished_only=False: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.step()
+    monkeypatch.undo()
+    finished = run_until_idle(llm)
+    assert set(finished) == {online, later}

@@ -64,3 +64,12 @@ def test_greedy_rows_with_filters_still_take_the_argmax():
     logits = torch.randn(3, 64)
     tokens = Sampler()(logits, torch.zeros(3), seeds(3), torch.full((3,), 10), torch.full((3,), 0.5))
     assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_top_p_of_one_keeps_the_tail_whatever_the_batch():
+    """fp32 cumulative sums reach 1.0 before the tail of a peaked distribution; a row that
+    asked for no top-p filtering must keep every token even when another row filters."""
+    peaked = torch.cat([torch.tensor([40.0]), torch.zeros(999)])
+    logits = torch.stack([peaked, torch.randn(1000)])
+    masked = apply_top_k_top_p(logits, torch.full((2,), 1000), torch.tensor([1.0, 0.5]))
+    assert torch.isfinite(masked[0]).all()

@@ -75,7 +75,9 @@ def _warn_fallback_once(reason: str) -> None:
     global _warned_fallback
     if not _warned_fallback:
         _warned_fallback = True
-        warnings.warn(f"nanovllm kernels: using the PyTorch reference implementations ({reason})", stacklevel=4)
+        # 6: the caller of the public kernel function (warn <- _warn_fallback_once <- backend_for <-
+        # _implementation <- implementation <- kernels.<op>)
+        warnings.warn(f"nanovllm kernels: using the PyTorch reference implementations ({reason})", stacklevel=6)
 
 
 def implementation(op: str, device: torch.device):

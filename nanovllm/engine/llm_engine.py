@@ -114,10 +114,10 @@ class LLMEngine:
         return sum(batch.num_new_tokens) - decode, decode
 
     def _output(self, seq: Sequence) -> dict:
-        finished = seq.is_finished
-        return {"request_id": seq.request_id, "token_ids": seq.output_token_ids, "new_token_id": seq.token_ids[-1],
+        token_ids, finished = seq.output_token_ids, seq.is_finished
+        return {"request_id": seq.request_id, "token_ids": token_ids, "new_token_id": seq.token_ids[-1],
                 "finished": finished, "finish_reason": seq.finish_reason,
-                "text": self.decode(seq.output_token_ids) if finished else ""}
+                "text": self.decode(token_ids) if finished else ""}
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -1,6 +1,6 @@
 """Owns the model and its KV cache on one device: builds and loads the model, sizes the cache,
 turns a scheduled batch into tensors, runs the forward pass (a captured CUDA graph for decode
-batches) and samples."""
+batches and single-sequence prefills) and samples."""
 import random
 
 import torch

@@ -94,12 +94,12 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
-    def register_full_blocks(self, seq: Sequence, num_computed_before: int) -> None:
-        """Makes the blocks this step filled findable by later prompts."""
+    def register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Makes the blocks that computing tokens [start, end) filled findable by later prompts."""
         if not self.enable_prefix_caching:
             return
         size = self.block_size
-        for index in range(num_computed_before // size, seq.num_computed_tokens // size):
+        for index in range(start // size, end // size):
             block = self.blocks[seq.block_table[index]]
             if block.hash is not None:
                 continue

@@ -9,7 +9,7 @@ import time
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -91,21 +91,33 @@ class LLMEngine:
     def step(self) -> list[dict]:
         """Runs one batch. Returns an output for every request that received a token (and for
         online requests that finished while generate() ran)."""
-        new = self._step() if not self.scheduler.is_finished() else []
+        new = []
+        if not self.scheduler.is_finished():
+            launched = self._launch()
+            if launched is None:
+                raise RuntimeError("scheduler produced an empty step while requests are pending")
+            new = self._collect(launched)
         undelivered, self._undelivered = self._undelivered, []  # after the step: kept if it raised
         return undelivered + new
 
-    def _step(self, finished_only: bool = False) -> list[dict]:
-        """One batch; outputs of the requests that received a token, or with `finished_only`
-        of those that finished (copying every running request's tokens each step costs)."""
+    def _launch(self) -> tuple[ScheduledBatch, SampledTokens] | None:
+        """Schedules a batch and queues it on the device; None if nothing can run until the
+        steps in flight are collected."""
         batch = self.scheduler.schedule()
         if not batch:
-            raise RuntimeError("scheduler produced an empty step while requests are pending")
+            return None
         self.last_step_tokens = self._count_tokens(batch)
-        sampled = self.model_runner.run(batch)
-        self.scheduler.postprocess(batch, sampled)
-        return [self._output(seq) for seq in batch.seqs
-                if seq.request_id in sampled and (seq.is_finished or not finished_only)]
+        sampled = self.model_runner.launch(batch)
+        self.scheduler.launched(batch)
+        return batch, sampled
+
+    def _collect(self, launched: tuple[ScheduledBatch, SampledTokens], finished_only: bool = False) -> list[dict]:
+        """Waits for a launched batch's tokens and records them; outputs of the requests that
+        received one, or with `finished_only` of those that finished (copying every running
+        request's tokens each step costs)."""
+        batch, sampled = launched
+        received = self.scheduler.postprocess(batch, sampled.tolist())
+        return [self._output(seq) for seq in received if seq.is_finished or not finished_only]
 
     @staticmethod
     def _count_tokens(batch: ScheduledBatch) -> tuple[int, int]:
@@ -146,17 +158,33 @@ class LLMEngine:
 
     def _run_until_done(self, outputs: dict, own: set, use_tqdm: bool) -> None:
         """Steps until every request in `own` has finished (online requests run alongside;
-        their outputs wait for step())."""
+        their outputs wait for step()). Step N + 1 is scheduled and queued before step N's
+        tokens are read, so the device never waits for the host between steps."""
+        in_flight = None
         with tqdm(total=len(own), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while len(outputs) < len(own) and not self.scheduler.is_finished():
-                started = time.perf_counter()
-                for out in self._step(finished_only=True):
-                    if out["request_id"] not in own:
-                        self._undelivered.append(out)
-                    else:
-                        outputs[out["request_id"]] = out
-                        bar.update(1)
-                self._show_throughput(bar, time.perf_counter() - started)
+            try:
+                while len(outputs) < len(own):
+                    started = time.perf_counter()
+                    launched = self._launch() if not self.scheduler.is_finished() else None
+                    if launched is None and in_flight is None:
+                        if self.scheduler.is_finished():
+                            break
+                        raise RuntimeError("scheduler produced an empty step while requests are pending")
+                    previous, in_flight = in_flight, launched
+                    if previous is not None:
+                        self._deliver(self._collect(previous, finished_only=True), outputs, own, bar)
+                    self._show_throughput(bar, time.perf_counter() - started)
+            finally:
+                if in_flight is not None:  # nothing launched is left unrecorded, even on an error
+                    self._deliver(self._collect(in_flight, finished_only=True), outputs, own, bar)
+
+    def _deliver(self, finished: list[dict], outputs: dict, own: set, bar) -> None:
+        for out in finished:
+            if out["request_id"] not in own:
+                self._undelivered.append(out)
+            else:
+                outputs[out["request_id"]] = out
+                bar.update(1)
 
     def _show_throughput(self, bar, seconds: float) -> None:
         prefill, decode = self.last_step_tokens

@@ -1,6 +1,8 @@
 """Owns the model and its KV cache on one device: builds and loads the model, sizes the cache,
 turns a scheduled batch into tensors, runs the forward pass (a captured CUDA graph for decode
-batches and single-sequence prefills) and samples."""
+batches and single-sequence prefills) and samples. Nothing waits for the device until the
+sampled tokens are read, so the engine can schedule the next step meanwhile; that step's
+decode inputs are then the previous step's samples, taken on the device."""
 import random
 
 import torch
@@ -9,11 +11,34 @@ import xxhash
 from nanovllm import kernels
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sequence import PLACEHOLDER
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.qwen3 import MODEL_REGISTRY
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
+
+
+class SampledTokens:
+    """Token ids sampled on the device, on their way to the host: one non-blocking copy into
+    pinned memory, waited for only when read."""
+
+    def __init__(self, tokens: torch.Tensor | None):
+        self.tokens = tokens
+        self._host = self._copied = None
+        if tokens is not None and tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def tolist(self) -> list[int]:
+        if self.tokens is None:
+            return []
+        if self._copied is None:
+            return self.tokens.tolist()
+        self._copied.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
@@ -28,6 +53,9 @@ class ModelRunner:
         self.noise_rng = random.Random()  # seeds the noise of unseeded requests, from OS entropy
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        # The last launched step's samples, and each sampling request's row in them.
+        self._last_sampled = SampledTokens(None)
+        self._last_sample_rows: dict[int, int] = {}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager and kernels.graph_capturable(self.device):
             self._capture_graphs()
@@ -127,11 +155,15 @@ class ModelRunner:
         return slots
 
     def prepare(self, batch: ScheduledBatch):
-        input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, sample_rows = [], [], [], [0], [], []
+        input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens = [], [], [], [0], []
+        deferred_rows, deferred_sources = [], []  # input rows still to come from the last step's samples
         size = self.block_size
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             if num_new == 1:  # decode: the common case, kept cheap
+                if seq.token_ids[start] == PLACEHOLDER:
+                    deferred_rows.append(len(input_ids))
+                    deferred_sources.append(self._last_sample_rows[seq.request_id])
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slot_mapping.append(seq.block_table[start // size] * size + start % size)
@@ -141,30 +173,36 @@ class ModelRunner:
                 slot_mapping.extend(self._slots(seq, start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
             seq_lens.append(end)
-            if end == len(seq):
-                sample_rows.append(len(seq_lens) - 1)
         width = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in batch.seqs]
         return dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q,
                     seq_lens=seq_lens, block_tables=block_tables, max_seqlen_q=max(batch.num_new_tokens),
-                    sample_rows=sample_rows)
+                    deferred=deferred_rows + deferred_sources)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[int, int]:
-        """One forward pass; returns the sampled token of each sequence that finished its prompt
-        or decoded, by request id."""
+    def launch(self, batch: ScheduledBatch) -> SampledTokens:
+        """Queues one forward pass and the sampling of every sequence in `batch.sample_rows`;
+        returns their tokens without waiting for them."""
         step = self.prepare(batch)
         shape = self._graph_shape_for(step) if self.graphs else None
         hidden = self._replay_graph(step, shape) if shape else self._run_eager(step)
-        if not step["sample_rows"]:
-            return {}
-        last_rows = [step["cu_seqlens_q"][row + 1] - 1 for row in step["sample_rows"]]
+        seqs = [batch.seqs[row] for row in batch.sample_rows]
+        self._last_sampled = SampledTokens(self._sample(hidden, step, batch.sample_rows, seqs) if seqs else None)
+        self._last_sample_rows = {seq.request_id: i for i, seq in enumerate(seqs)}
+        return self._last_sampled
+
+    def _sample(self, hidden: torch.Tensor, step, sample_rows: list[int], seqs) -> torch.Tensor:
+        last_rows = [step["cu_seqlens_q"][row + 1] - 1 for row in sample_rows]
         if len(last_rows) < hidden.shape[0]:  # a decode step samples every row: no gather needed
             hidden = hidden[self._to_device(last_rows, torch.long)]
         logits = self.model.compute_logits(hidden)
-        seqs = [batch.seqs[row] for row in step["sample_rows"]]
-        tokens = self.sampler(logits, *self._sampling_tensors(seqs)).tolist()
-        return {seq.request_id: token for seq, token in zip(seqs, tokens)}
+        return self.sampler(logits, *self._sampling_tensors(seqs))
+
+    def _fill_deferred(self, input_ids: torch.Tensor, deferred: torch.Tensor) -> None:
+        """Writes the last step's samples, still on the device, into the input rows that wait
+        for them. `deferred` holds the rows, then the matching sample indices."""
+        rows, sources = deferred.view(2, -1)
+        input_ids[rows] = self._last_sampled.tokens[sources]
 
     def _run_eager(self, step) -> torch.Tensor:
         set_context(cu_seqlens_q=self._to_device(step["cu_seqlens_q"], torch.int32),
@@ -172,9 +210,11 @@ class ModelRunner:
                     block_tables=self._to_device(step["block_tables"], torch.int32),
                     slot_mapping=self._to_device(step["slot_mapping"], torch.long),
                     max_seqlen_q=step["max_seqlen_q"])
+        input_ids = self._to_device(step["input_ids"], torch.long)
+        if step["deferred"]:
+            self._fill_deferred(input_ids, self._to_device(step["deferred"], torch.long))
         try:
-            return self.model(self._to_device(step["input_ids"], torch.long),
-                              self._to_device(step["positions"], torch.long))
+            return self.model(input_ids, self._to_device(step["positions"], torch.long))
         finally:
             reset_context()  # the step's tensors must not outlive it, even on an error
 
@@ -263,11 +303,13 @@ class ModelRunner:
         # Padding sequences take one padding row each, the last one all that remain.
         cu = step["cu_seqlens_q"] + [num_tokens + i for i in range(1, seqs - num_seqs)] + [tokens] * (seqs > num_seqs)
         # One host-to-device copy for every per-token and per-sequence input.
-        packed = self._to_device(step["input_ids"] + step["positions"] + step["slot_mapping"] + step["seq_lens"] + cu,
-                                 torch.long)
-        pieces = packed.split([num_tokens] * 3 + [num_seqs, seqs + 1])
+        packed = self._to_device(step["input_ids"] + step["positions"] + step["slot_mapping"] + step["seq_lens"] + cu
+                                 + step["deferred"], torch.long)
+        pieces = packed.split([num_tokens] * 3 + [num_seqs, seqs + 1, len(step["deferred"])])
         for name, piece in zip(("input_ids", "positions", "slot_mapping", "seq_lens", "cu_seqlens_q"), pieces):
             g[name][:len(piece)].copy_(piece, non_blocking=True)
+        if step["deferred"]:
+            self._fill_deferred(g["input_ids"], pieces[-1])
         tables = self._to_device(step["block_tables"], torch.int32)
         g["block_tables"][:num_seqs, :tables.shape[1]].copy_(tables, non_blocking=True)
         self.graphs[shape].replay()

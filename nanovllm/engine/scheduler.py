@@ -2,19 +2,27 @@
 `max_num_batched_tokens`: running sequences first (one token for each decode, the next chunk
 for each unfinished prefill), then waiting ones. When blocks run out, the most recently
 admitted sequence is preempted: its blocks are freed and it waits to be recomputed, keeping
-every token it has generated."""
+every token it has generated.
+
+A step is recorded in two halves so that the next one can be scheduled while it runs:
+`launched` when it is handed to the device (computed tokens advance, each sampled token gets a
+placeholder), `postprocess` when its tokens arrive (placeholders filled, stops checked)."""
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens each sequence computes this step
+    sample_rows: list[int] = field(default_factory=list)  # indices of the sequences that sample a token
+    # Filled by Scheduler.launched:
+    computed_before: list[int] = field(default_factory=list)
+    token_positions: list[int] = field(default_factory=list)  # where each sampled token goes in its sequence
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -43,6 +51,8 @@ class Scheduler:
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         if self.num_preemptions == preemptions or not batch:  # else a victim would come straight back
             self._schedule_waiting(batch, budget)
+        batch.sample_rows = [row for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                             if seq.num_computed_tokens + num_new == len(seq)]
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -50,7 +60,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens(), budget)
-            if self.block_manager.grow(seq, num_new):
+            if num_new == 0:  # its last token is still being sampled: it ends when that arrives
+                index += 1
+            elif self.block_manager.grow(seq, num_new):
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
@@ -86,40 +98,64 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
-        """Records the step: computed tokens, newly full blocks, sampled tokens (by request id).
-        Returns the sequences that finished."""
-        finished = []
+    def launched(self, batch: ScheduledBatch) -> None:
+        """Records a batch handed to the device: its tokens count as computed, and each token it
+        samples gets a placeholder, unless that token ends its sequence by length."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            before = seq.num_computed_tokens
+            batch.computed_before.append(seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
-            self.block_manager.register_full_blocks(seq, before)
-            if seq.request_id in sampled:
-                seq.append_token(sampled[seq.request_id])
-                if self._check_stop(seq):
-                    finished.append(seq)
-        return finished
+        for row in batch.sample_rows:
+            seq = batch.seqs[row]
+            batch.token_positions.append(len(seq))
+            if not self._ends_by_length(seq, len(seq)):
+                seq.append_token(PLACEHOLDER)
 
-    def _check_stop(self, seq: Sequence) -> bool:
-        token = seq.token_ids[-1]
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[Sequence]:
+        """Records a launched batch's sampled tokens (in `sample_rows` order) and makes the blocks
+        it filled findable. Returns the sequences that received a token: not those that finished
+        or were aborted while the step ran."""
+        for seq, num_new, before in zip(batch.seqs, batch.num_new_tokens, batch.computed_before):
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.register_full_blocks(seq, before, before + num_new)
+        received = []
+        for row, position, token in zip(batch.sample_rows, batch.token_positions, tokens):
+            seq = batch.seqs[row]
+            if not seq.is_finished:
+                self._record_token(seq, position, token)
+                received.append(seq)
+        return received
+
+    def _record_token(self, seq: Sequence, position: int, token: int) -> None:
+        if position < len(seq):
+            seq.token_ids[position] = token
+        else:
+            seq.append_token(token)
+        reason = self._stop_reason(seq, position)
+        if reason:
+            del seq.token_ids[position + 1:]  # the placeholder of a step launched meanwhile
+            self.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, position: int) -> str | None:
+        token = seq.token_ids[position]
         if not seq.params.ignore_eos and token in self.eos_token_ids or token in seq.params.stop_token_ids:
-            self.finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
-            self.finish(seq, "length")
-        return seq.is_finished
+            return "stop"
+        return "length" if self._ends_by_length(seq, position) else None
+
+    def _ends_by_length(self, seq: Sequence, position: int) -> bool:
+        """Whether a token at `position` is the last its sequence may have."""
+        return position + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or position + 1 >= self.max_model_len
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self.block_manager.free(seq)
+            self.running.remove(seq)
+        else:  # preempted while its last step ran
+            self.waiting.remove(seq)
         seq.finish(reason)
-        self.block_manager.free(seq)
-        self.running.remove(seq)
 
     def abort(self, request_id: int) -> Sequence | None:
         for seq in [*self.running, *self.waiting]:
             if seq.request_id == request_id:
-                if seq.status == SequenceStatus.RUNNING:
-                    self.finish(seq, "abort")
-                else:
-                    self.waiting.remove(seq)
-                    seq.finish("abort")
+                self.finish(seq, "abort")
                 return seq
         return None

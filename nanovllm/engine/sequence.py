@@ -2,6 +2,10 @@ from enum import Enum, auto
 
 from nanovllm.sampling_params import SamplingParams
 
+# Stands in for a token sampled by a step still running on the device: the next step can be
+# scheduled (lengths, positions, blocks) before the value reaches the host.
+PLACEHOLDER = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()

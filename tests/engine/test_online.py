@@ -254,19 +254,19 @@ def test_generate_does_not_wait_for_other_online_requests(checkpoint, new_llm):
 def test_a_failed_generate_leaves_nothing_queued(checkpoint, new_llm, monkeypatch):
     llm = new_llm(checkpoint("qwen3_tied"))
     calls = {"n": 0}
-    run = llm.model_runner.run
+    launch = llm.model_runner.launch
 
     def fail_on_third_step(batch):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost")
-        return run(batch)
+        return launch(batch)
 
-    monkeypatch.setattr(llm.model_runner, "run", fail_on_third_step)
+    monkeypatch.setattr(llm.model_runner, "launch", fail_on_third_step)
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate([[7, 8], [9, 10, 11]], sampled(max_tokens=10), use_tqdm=False)
     assert llm.is_finished() and llm.memory_stats()["kv_blocks_used"] == 0
-    monkeypatch.setattr(llm.model_runner, "run", run)
+    monkeypatch.setattr(llm.model_runner, "launch", launch)
     assert [len(o["token_ids"]) for o in llm.generate([[7, 8]], sampled(max_tokens=3), use_tqdm=False)] == [3]
 
 
@@ -275,7 +275,7 @@ def test_outputs_waiting_for_step_survive_a_failed_step(checkpoint, new_llm, mon
     online = llm.add_request([3, 4, 5], sampled(max_tokens=2))
     later = llm.add_request([6, 7, 8], sampled(max_tokens=30))
     llm.generate([[7, 8]], sampled(max_tokens=4), use_tqdm=False)  # finishes `online` on the way
-    monkeypatch.setattr(llm, "_step", lambda finished_only=False: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(llm, "_launch", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         llm.step()
     monkeypatch.undo()

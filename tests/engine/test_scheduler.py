@@ -1,6 +1,8 @@
 """Property tests of the scheduler and block manager on random workloads, with a fake model
 that samples random tokens: every request ends with the right number of tokens, nothing is
-lost or duplicated, no block leaks and every reference count returns to zero."""
+lost or duplicated, no block leaks and every reference count returns to zero; with each step
+recorded at once, and pipelined as generate() runs them (step N + 1 scheduled and launched
+before step N's tokens are recorded)."""
 import random
 from types import SimpleNamespace
 
@@ -8,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 0
@@ -33,6 +35,7 @@ def check_invariants(scheduler: Scheduler) -> None:
     for block in manager.blocks:
         assert block.ref_count == holders.get(block.block_id, 0)
         assert (block.ref_count == 0) == (block.block_id in manager.free_block_ids)
+        assert PLACEHOLDER not in block.token_ids  # a cached block holds only tokens the host has seen
 
 
 def check_batch(scheduler: Scheduler, batch) -> None:
@@ -42,12 +45,19 @@ def check_batch(scheduler: Scheduler, batch) -> None:
     for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
         assert 1 <= num_new <= seq.num_uncomputed_tokens()
         assert len(seq.block_table) * scheduler.block_manager.block_size >= seq.num_computed_tokens + num_new
+        # Only a decode may take its input from a step in flight (on the device).
+        chunk = seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + num_new]
+        assert num_new == 1 or PLACEHOLDER not in chunk
 
 
-def fake_sample(batch, rng) -> dict[int, int]:
-    return {seq.request_id: rng.randrange(1, 50) if rng.random() > 0.03 else EOS
-            for seq, num_new in zip(batch.seqs, batch.num_new_tokens)
-            if seq.num_computed_tokens + num_new == len(seq)}
+def fake_tokens(batch, rng) -> list[int]:
+    return [rng.randrange(1, 50) if rng.random() > 0.03 else EOS for _ in batch.sample_rows]
+
+
+def run_step(scheduler, batch, tokens) -> list[Sequence]:
+    """Launches and records one batch; returns the sequences that finished."""
+    scheduler.launched(batch)
+    return [seq for seq in scheduler.postprocess(batch, tokens) if seq.is_finished]
 
 
 workloads = st.fixed_dictionaries({
@@ -59,10 +69,11 @@ workloads = st.fixed_dictionaries({
     "prefix_caching": st.booleans(),
     "num_requests": st.integers(1, 12),
     "abort_rate": st.sampled_from([0.0, 0.05, 0.2]),
+    "pipelined": st.booleans(),
 })
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(workloads)
 def test_random_workloads_finish_without_leaks(w):
     rng = random.Random(w["seed"])
@@ -77,16 +88,21 @@ def test_random_workloads_finish_without_leaks(w):
         params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
         seqs[request_id] = Sequence(request_id, prompt, params)
         scheduler.add(seqs[request_id])
-    finished, aborted, steps = set(), set(), 0
-    while not scheduler.is_finished():
+    finished, aborted, steps, in_flight = set(), set(), 0, None
+    while not scheduler.is_finished() or in_flight:
         steps += 1
         assert steps < 10_000, "scheduler made no progress"
-        batch = scheduler.schedule()
-        assert len(batch) > 0
-        check_batch(scheduler, batch)
-        for seq in scheduler.postprocess(batch, fake_sample(batch, rng)):
-            assert seq.request_id not in finished
-            finished.add(seq.request_id)
+        batch = scheduler.schedule() if not scheduler.is_finished() else None
+        assert batch or in_flight, "an empty step with nothing in flight"
+        if batch:
+            check_batch(scheduler, batch)
+            scheduler.launched(batch)
+        previous, in_flight = (in_flight, batch or None) if w["pipelined"] else (batch, None)
+        if previous:
+            for seq in scheduler.postprocess(previous, fake_tokens(previous, rng)):
+                if seq.is_finished:
+                    assert seq.request_id not in finished
+                    finished.add(seq.request_id)
         check_invariants(scheduler)
         if rng.random() < w["abort_rate"] and (scheduler.running or scheduler.waiting):
             victim = rng.choice([*scheduler.running, *scheduler.waiting])
@@ -96,6 +112,7 @@ def test_random_workloads_finish_without_leaks(w):
     assert finished | aborted == set(seqs) and not finished & aborted
     for request_id in finished:
         seq = seqs[request_id]
+        assert PLACEHOLDER not in seq.token_ids
         assert 1 <= seq.num_output_tokens <= seq.params.max_tokens
         if seq.finish_reason == "length":
             assert seq.num_output_tokens == seq.params.max_tokens or len(seq) == max_model_len
@@ -116,12 +133,12 @@ def test_preemption_keeps_generated_tokens_and_recomputes():
     rng = random.Random(0)
     while scheduler.num_preemptions == 0:
         batch = scheduler.schedule()
-        scheduler.postprocess(batch, fake_sample(batch, rng))
+        run_step(scheduler, batch, fake_tokens(batch, rng))
     assert b in scheduler.waiting and b.num_output_tokens > 0 and b.num_computed_tokens == 0
     generated = list(b.output_token_ids)
     while not scheduler.is_finished():
         batch = scheduler.schedule()
-        scheduler.postprocess(batch, fake_sample(batch, rng))
+        run_step(scheduler, batch, fake_tokens(batch, rng))
     assert b.output_token_ids[:len(generated)] == generated and b.num_output_tokens == 8
 
 
@@ -134,7 +151,7 @@ def test_prefix_cache_hit_requires_equal_tokens(monkeypatch):
     first = Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
     scheduler.add(first)
     batch = scheduler.schedule()
-    scheduler.postprocess(batch, {0: 7})
+    run_step(scheduler, batch, [7])
     second = Sequence(1, [4, 3, 2, 1, 5], SamplingParams(max_tokens=1))
     scheduler.add(second)
     scheduler.schedule()

@@ -9,7 +9,8 @@ from nanovllm.kernels.dispatch import KERNELS_AVAILABLE, backend_for, implementa
 __all__ = [
     "KERNELS_AVAILABLE", "backend_for", "benchmark_kernel", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
-    "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "paged_attention", "gumbel_sample",
+    "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
+    "gumbel_sample",
 ]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -135,6 +136,39 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
     _require_index(slot_mapping, "slot_mapping", 1)
     _require(slot_mapping.shape[0] == key.shape[0], "slot_mapping", "length differs from key's token count")
     implementation("store_kvcache", key.device)(key, value, k_cache, v_cache, slot_mapping)
+
+
+def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                       q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+    """What lies between the qkv projection and attention, in one launch: with q_weight and
+    k_weight, rms_norm of each q and k head (Qwen3); apply_rotary_emb of q and k; k and v
+    written to the paged caches at slot_mapping (-1 skipped). q [T, Hq, D] is rewritten in
+    place and returned; k and v [T, Hk, D] are left as they are. The caches need unit
+    stride along head_dim."""
+    _require_float(q, "q")
+    _require(q.dim() == 3 and q.shape[2] % 2 == 0, "q", f"must be [tokens, heads, even head_dim], got {tuple(q.shape)}")
+    _require(isinstance(k, torch.Tensor) and k.dim() == 3 and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2],
+             "k", f"shape {tuple(k.shape)} must be [{q.shape[0]}, kv_heads, {q.shape[2]}]")
+    _require(k.dtype == q.dtype, "k", f"dtype {k.dtype} differs from q's {q.dtype}")
+    _require_like(v, k, "v", "k")
+    _require_index(positions, "positions", 1)
+    _require(positions.shape[0] == q.shape[0], "positions", "length differs from q's token count")
+    _require_float(cos_sin_cache, "cos_sin_cache")
+    _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == q.shape[2], "cos_sin_cache",
+             f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
+    _require_cache(k_cache, "k_cache")
+    _require(k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1, "k_cache",
+             f"must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}] with unit stride along head_dim")
+    _require_like(v_cache, k_cache, "v_cache", "k_cache")
+    _require(v_cache.stride(3) == 1, "v_cache", "must have unit stride along head_dim")
+    _require_index(slot_mapping, "slot_mapping", 1)
+    _require(slot_mapping.shape[0] == q.shape[0], "slot_mapping", "length differs from q's token count")
+    _require((q_weight is None) == (k_weight is None), "k_weight", "q_weight and k_weight come together")
+    if q_weight is not None:
+        _require_last_dim_vector(q, q_weight, "q_weight")
+        _require_last_dim_vector(k, k_weight, "k_weight")
+    return implementation("qk_norm_rope_store", q.device)(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                                                          slot_mapping, q_weight, k_weight, float(eps))
 
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True):

@@ -25,6 +25,7 @@ _TRITON_MODULES = {
     "fused_add_rms_norm": "norm",
     "apply_rotary_emb": "rotary",
     "store_kvcache": "kv_cache",
+    "qk_norm_rope_store": "qk_norm_rope",
     "paged_attention": "attention",
     "gumbel_sample": "sampling",
 }

@@ -88,6 +88,18 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> 
     return blocks.flatten(0, 1)[:seq_len]
 
 
+def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                       q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+    """The unfused composition: q/k norm, rotary, KV store; q rewritten in place."""
+    if q_weight is not None:
+        q_normed, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    else:
+        q_normed = q
+    q_rotated, k = apply_rotary_emb(positions, q_normed, k, cos_sin_cache)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    return q.copy_(q_rotated)
+
+
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True):
     """Per-sequence gather of the cached K/V, then attention in fp32 (float64 for float64
     inputs). A sequence whose query sees no key (seq_len 0) gets zeros."""

@@ -6,7 +6,8 @@ from nanovllm.utils.context import get_context
 
 
 class Attention(nn.Module):
-    """Writes this step's keys and values into the paged cache, then attends over it. The
+    """Rotates this step's queries and keys (after Qwen3's per-head norms, when given), writes
+    keys and values into the paged cache, all in one kernel, then attends over the cache. The
     cache tensors are attached by the model runner once it has sized them."""
 
     def __init__(self, scale: float):
@@ -14,9 +15,12 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = self.v_cache = torch.tensor([])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cos_sin_cache: torch.Tensor, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
         context = get_context()
-        kernels.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        norm_weights = dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=q_norm.eps) if q_norm else {}
+        q = kernels.qk_norm_rope_store(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
+                                       context.slot_mapping, **norm_weights)
         return kernels.paged_attention(
             q, self.k_cache, self.v_cache, cu_seqlens_q=context.cu_seqlens_q, seq_lens=context.seq_lens,
             block_tables=context.block_tables, max_seqlen_q=context.max_seqlen_q, scale=self.scale)

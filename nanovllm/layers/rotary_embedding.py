@@ -1,8 +1,6 @@
 import torch
 from torch import nn
 
-from nanovllm import kernels
-
 
 def build_cos_sin_cache(head_dim: int, max_position: int, base: float) -> torch.Tensor:
     """[max_position, head_dim] fp32: cos(p * f) in the first half, sin(p * f) in the second."""
@@ -12,10 +10,10 @@ def build_cos_sin_cache(head_dim: int, max_position: int, base: float) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin table of neox-style rotary embedding. Attention applies it, in the kernel
+    that also writes the cache (kernels.qk_norm_rope_store)."""
+
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
         # fp32 whatever the model's dtype: the model is built in its dtype, never cast afterwards.
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_position, base), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return kernels.apply_rotary_emb(positions, q, k, self.cos_sin_cache)

@@ -30,10 +30,8 @@ class QwenAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else ()
+        return self.o_proj(self.attn(positions, q, k, v, self.rotary_emb.cos_sin_cache, *norms).flatten(1))
 
 
 class QwenDecoderLayer(nn.Module):

@@ -1,0 +1,113 @@
+"""Triton kernel for everything between the qkv projection and attention, in one launch:
+Qwen3's per-head RMS norm of q and k (optional), neox-style rotary embedding of both, and
+the scatter of k and v into the paged caches. Unfused that is four launches a layer (q norm,
+k norm, rotary, KV store), each a few microseconds at decode sizes.
+
+Program (token, part): part 0 rewrites the token's q heads in place, part 1 writes its
+rotated k heads to the key cache, part 2 copies its v heads to the value cache. A head row
+is loaded as two halves, the pairs the rotation mixes."""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels._tiling import num_warps
+
+
+@triton.jit
+def _head_rows(ptr, token, token_stride, head_stride, heads, half, BLOCK_H: tl.constexpr,
+               BLOCK_HALF: tl.constexpr):
+    rows = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (rows < heads)[:, None] & (cols < half)[None, :]
+    first = ptr + token * token_stride + rows[:, None] * head_stride + cols[None, :]
+    return first, first + half, mask
+
+
+@triton.jit
+def _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
+    if HAS_NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(weight_ptr + cols, mask=cols < half).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + half + cols, mask=cols < half).to(tl.float32)[None, :]
+        # rounded to the activation dtype, as the unfused norm's output is before rotary reads it
+        x1 = (x1 * inv_rms * w1).to(dtype).to(tl.float32)
+        x2 = (x2 * inv_rms * w2).to(dtype).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _qk_norm_rope_store_kernel(
+    q_ptr, q_token_stride, q_head_stride, k_ptr, k_token_stride, k_head_stride,
+    v_ptr, v_token_stride, v_head_stride, positions_ptr, cos_sin_ptr, cos_sin_stride,
+    q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, kc_block_stride, kc_offset_stride, kc_head_stride,
+    v_cache_ptr, vc_block_stride, vc_offset_stride, vc_head_stride, q_heads, kv_heads, half, block_size,
+    HAS_NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token = tl.cast(tl.program_id(0), tl.int64)
+    part = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_HALF)
+    if part == 2:
+        src1, src2, mask = _head_rows(v_ptr, token, v_token_stride, v_head_stride, kv_heads, half, BLOCK_HK,
+                                      BLOCK_HALF)
+        v1, v2 = tl.load(src1, mask=mask), tl.load(src2, mask=mask)
+        _store_in_cache(v_cache_ptr, v1, v2, token, slot_mapping_ptr, block_size, vc_block_stride,
+                        vc_offset_stride, vc_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
+        return
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + position * cos_sin_stride + cols, mask=cols < half).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + position * cos_sin_stride + half + cols, mask=cols < half).to(tl.float32)[None, :]
+    if part == 0:
+        x1_ptrs, x2_ptrs, mask = _head_rows(q_ptr, token, q_token_stride, q_head_stride, q_heads, half, BLOCK_HQ,
+                                            BLOCK_HALF)
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
+        r1, r2 = _norm_rope(x1, x2, q_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, q_ptr.dtype.element_ty)
+        tl.store(x1_ptrs, r1.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(x2_ptrs, r2.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        x1_ptrs, x2_ptrs, mask = _head_rows(k_ptr, token, k_token_stride, k_head_stride, kv_heads, half, BLOCK_HK,
+                                            BLOCK_HALF)
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
+        r1, r2 = _norm_rope(x1, x2, k_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, k_ptr.dtype.element_ty)
+        # through k's dtype first: the unfused path stores the rotated k tensor, then copies it
+        r1, r2 = r1.to(k_ptr.dtype.element_ty), r2.to(k_ptr.dtype.element_ty)
+        _store_in_cache(k_cache_ptr, r1, r2, token, slot_mapping_ptr, block_size, kc_block_stride,
+                        kc_offset_stride, kc_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
+
+
+@triton.jit
+def _store_in_cache(cache_ptr, x1, x2, token, slot_mapping_ptr, block_size, block_stride, offset_stride,
+                    head_stride, heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:  # -1: a padding row that owns no slot
+        # int64: block * block_stride exceeds 2^31 elements in large caches
+        base = (slot // block_size) * block_stride + (slot % block_size) * offset_stride
+        first, second, mask = _head_rows(cache_ptr + base, 0, 0, head_stride, heads, half, BLOCK_H, BLOCK_HALF)
+        tl.store(first, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(second, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                       q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+    n_tokens, q_heads, head_dim = q.shape
+    if n_tokens == 0:
+        return q
+    kv_heads, half = k.shape[1], head_dim // 2
+    # Rows are addressed as token * token_stride + head * head_stride + d: unit stride along D.
+    q_rows, k_rows, v_rows = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    cache = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # read one entry a token
+    has_norm = q_weight is not None
+    block_hq, block_hk = triton.next_power_of_2(q_heads), triton.next_power_of_2(kv_heads)
+    block_half = triton.next_power_of_2(half)
+    _qk_norm_rope_store_kernel[(n_tokens, 3)](
+        q_rows, q_rows.stride(0), q_rows.stride(1), k_rows, k_rows.stride(0), k_rows.stride(1),
+        v_rows, v_rows.stride(0), v_rows.stride(1), positions, cache, cache.stride(0),
+        q_weight.contiguous() if has_norm else cache, k_weight.contiguous() if has_norm else cache, eps,
+        slot_mapping, k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3], q_heads, kv_heads, half, k_cache.shape[1],
+        HAS_NORM=has_norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        num_warps=num_warps(2 * block_hq * block_half))
+    if q_rows is not q:
+        q.copy_(q_rows)
+    return q

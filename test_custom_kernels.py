@@ -31,7 +31,7 @@ import torch.nn.functional as F
 # Functions bound here, before any Triton module is imported (see the report on dispatch).
 from nanovllm.kernels import (apply_rotary_emb, backend_for, benchmark_kernel, element_wise_mul_add,
                               fused_add_gelu, fused_add_rms_norm, gelu_and_mul, rms_norm, silu_and_mul,
-                              store_kvcache)
+                              qk_norm_rope_store, store_kvcache)
 from nanovllm.kernels import reference
 
 # Relative error ||out - ref|| / ||ref|| allowed against the float64 reference: a few units of
@@ -158,6 +158,22 @@ def _eager_store_kvcache(key, value, k_cache, v_cache, slots):
     v_cache.view(-1, *value.shape[1:])[slots] = value
 
 
+def _make_qk_norm_rope(rows, width, dtype, device, strided):
+    """Everything between the qkv projection and attention; strided: views of one packed output."""
+    positions, q, k, cos_sin = _make_rotary(rows, width, dtype, device, strided).args
+    key, value, k_cache, v_cache, slots = _make_kvcache(rows, width, dtype, device, strided).args
+    weights = [_randn(HEAD_DIM, dtype=dtype, device=device) for _ in range(2)]
+    moved = 2 * _nbytes(q, k, value) + rows * (HEAD_DIM * 4 + positions.element_size()) + _nbytes(slots)
+    return Case([q, k, value, positions, cos_sin, k_cache, v_cache, slots, *weights], moved)
+
+
+def _eager_qk_norm_rope(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_weight, k_weight):
+    q_rotated, k_rotated = reference.apply_rotary_emb(positions, reference.rms_norm(q, q_weight, EPS),
+                                                      reference.rms_norm(k, k_weight, EPS), cos_sin)
+    _eager_store_kvcache(k_rotated, v, k_cache, v_cache, slots)
+    return q.copy_(q_rotated)
+
+
 def _eager_silu_and_mul(x):
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -187,6 +203,9 @@ OPS = [
        _make_rotary, bench=((2048, True),)),
     Op("store_kvcache", store_kvcache, reference.store_kvcache, _eager_store_kvcache, _make_kvcache,
        bench=((2048, True),), outputs=lambda result, args: (args[2], args[3]), exact=True),
+    Op("qk_norm_rope_store", lambda *args: qk_norm_rope_store(*args, eps=EPS),
+       lambda *args: reference.qk_norm_rope_store(*args, eps=EPS), _eager_qk_norm_rope, _make_qk_norm_rope,
+       bench=((2048, True),), outputs=lambda result, args: (result, args[5], args[6])),
 ]
 
 

@@ -9,7 +9,7 @@ OUT=$(mktemp -d)
 trap 'tar czf "$FINAL/gpu_results.tgz" -C "$OUT" .' EXIT
 mkdir -p "$FINAL"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"info tests kernels bench single attention hfswap concurrency comparehf"}
+STAGES=${STAGES:-"info tests kernels bench single attention launch hfswap concurrency comparehf"}
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   timeout "${STAGE_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0)) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
@@ -24,5 +24,6 @@ for stage in $STAGES; do case $stage in
   single) run single python3 bench.py --num-seqs 1 --min-input-len 128 --max-input-len 128 --min-output-len 512 --max-output-len 512 --out "$OUT/single" ;;
   comparehf) run comparehf python3 bench.py --compare-hf --num-seqs 32 --max-input-len 512 --min-output-len 128 --max-output-len 128 --out "$OUT/comparehf" ;;
   hfswap) run hfswap python3 -m benchmarks.bench_hf_swap --out "$OUT/hfswap" ;;
+  launch) run launch python3 benchmarks/bench_launch.py --out "$OUT/launch" ;;
   concurrency) run concurrency python3 benchmarks/bench_concurrency.py --out "$OUT/concurrency" ;;
 esac; done

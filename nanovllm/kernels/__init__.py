@@ -12,13 +12,16 @@ __all__ = [
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
     "gumbel_sample",
 ]
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+# Sets: membership in a tuple compares dtypes one by one, several times slower.
+_FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_INDEX_DTYPES = frozenset((torch.int32, torch.int64))
 
 
-def _require(condition: bool, name: str, message: str) -> None:
+def _require(condition: bool, name: str, message) -> None:
+    """`message`: a string, or a function making it, so that a passing check formats nothing
+    (formatting shapes costs about a microsecond, and there are several checks a call)."""
     if not condition:
-        raise ValueError(f"{name}: {message}")
+        raise ValueError(f"{name}: {message() if callable(message) else message}")
 
 
 def _require_float(x: torch.Tensor, name: str) -> None:
@@ -27,30 +30,31 @@ def _require_float(x: torch.Tensor, name: str) -> None:
 
 def _require_like(x: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str) -> None:
     _require_float(x, name)
-    _require(x.shape == ref.shape, name, f"shape {tuple(x.shape)} differs from {ref_name}'s {tuple(ref.shape)}")
-    _require(x.dtype == ref.dtype, name, f"dtype {x.dtype} differs from {ref_name}'s {ref.dtype}")
-    _require(x.device == ref.device, name, f"device {x.device} differs from {ref_name}'s {ref.device}")
+    _require(x.shape == ref.shape, name, lambda: f"shape {tuple(x.shape)} differs from {ref_name}'s {tuple(ref.shape)}")
+    _require(x.dtype == ref.dtype, name, lambda: f"dtype {x.dtype} differs from {ref_name}'s {ref.dtype}")
+    _require(x.device == ref.device, name, lambda: f"device {x.device} differs from {ref_name}'s {ref.device}")
 
 
 def _require_index(x: torch.Tensor, name: str, ndim: int) -> None:
     _require(isinstance(x, torch.Tensor) and x.dtype in _INDEX_DTYPES, name, "must be an int32 or int64 tensor")
-    _require(x.dim() == ndim, name, f"must have {ndim} dimension(s), got shape {tuple(x.shape)}")
+    _require(x.dim() == ndim, name, lambda: f"must have {ndim} dimension(s), got shape {tuple(x.shape)}")
 
 
 def _require_approximate(approximate: str) -> None:
-    _require(approximate in ("tanh", "none"), "approximate", f"must be 'tanh' or 'none', got {approximate!r}")
+    _require(approximate in ("tanh", "none"), "approximate", lambda: f"must be 'tanh' or 'none', got {approximate!r}")
 
 
 def _require_last_dim_vector(x: torch.Tensor, vector: torch.Tensor, name: str) -> None:
     _require_float(x, "x")
     _require_float(vector, name)
-    _require(vector.shape == (x.shape[-1],), name, f"shape {tuple(vector.shape)} must be ({x.shape[-1]},)")
-    _require(vector.dtype == x.dtype, name, f"dtype {vector.dtype} differs from x's {x.dtype}")
+    _require(vector.shape == (x.shape[-1],), name, lambda: f"shape {tuple(vector.shape)} must be ({x.shape[-1]},)")
+    _require(vector.dtype == x.dtype, name, lambda: f"dtype {vector.dtype} differs from x's {x.dtype}")
 
 
 def _require_gated(x: torch.Tensor) -> None:
     _require_float(x, "x")
-    _require(x.dim() >= 1 and x.shape[-1] % 2 == 0, "x", f"last dimension must be even, got shape {tuple(x.shape)}")
+    _require(x.dim() >= 1 and x.shape[-1] % 2 == 0, "x",
+             lambda: f"last dimension must be even, got shape {tuple(x.shape)}")
 
 
 def graph_capturable(device: torch.device | str) -> bool:
@@ -108,20 +112,21 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     _require_float(q, "q")
     _require_float(k, "k")
     _require_float(cos_sin_cache, "cos_sin_cache")
-    _require(q.dim() == 3, "q", f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
-    _require(k.dim() == 3, "k", f"must be [tokens, heads, head_dim], got shape {tuple(k.shape)}")
+    _require(q.dim() == 3, "q", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    _require(k.dim() == 3, "k", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(k.shape)}")
     _require(q.shape[0] == positions.shape[0], "q", "token count differs from positions'")
     _require(k.shape[0] == positions.shape[0], "k", "token count differs from positions'")
     _require(k.shape[2] == q.shape[2] and q.shape[2] % 2 == 0, "k", "head_dim must be even and equal q's")
-    _require(k.dtype == q.dtype, "k", f"dtype {k.dtype} differs from q's {q.dtype}")
+    _require(k.dtype == q.dtype, "k", lambda: f"dtype {k.dtype} differs from q's {q.dtype}")
     _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == q.shape[2], "cos_sin_cache",
-             f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
+             lambda: f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
     return implementation("apply_rotary_emb", q.device)(positions, q, k, cos_sin_cache)
 
 
 def _require_cache(cache: torch.Tensor, name: str) -> None:
     _require_float(cache, name)
-    _require(cache.dim() == 4, name, f"must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(cache.shape)}")
+    _require(cache.dim() == 4, name,
+             lambda: f"must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(cache.shape)}")
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -132,7 +137,7 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
     _require_float(key, "key")
     _require_like(value, key, "value", "key")
     _require(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:], "key",
-             f"shape {tuple(key.shape)} must be [tokens, {k_cache.shape[2]}, {k_cache.shape[3]}]")
+             lambda: f"shape {tuple(key.shape)} must be [tokens, {k_cache.shape[2]}, {k_cache.shape[3]}]")
     _require_index(slot_mapping, "slot_mapping", 1)
     _require(slot_mapping.shape[0] == key.shape[0], "slot_mapping", "length differs from key's token count")
     implementation("store_kvcache", key.device)(key, value, k_cache, v_cache, slot_mapping)
@@ -146,19 +151,20 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     place and returned; k and v [T, Hk, D] are left as they are. The caches need unit
     stride along head_dim."""
     _require_float(q, "q")
-    _require(q.dim() == 3 and q.shape[2] % 2 == 0, "q", f"must be [tokens, heads, even head_dim], got {tuple(q.shape)}")
+    _require(q.dim() == 3 and q.shape[2] % 2 == 0, "q",
+             lambda: f"must be [tokens, heads, even head_dim], got {tuple(q.shape)}")
     _require(isinstance(k, torch.Tensor) and k.dim() == 3 and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2],
-             "k", f"shape {tuple(k.shape)} must be [{q.shape[0]}, kv_heads, {q.shape[2]}]")
-    _require(k.dtype == q.dtype, "k", f"dtype {k.dtype} differs from q's {q.dtype}")
+             "k", lambda: f"shape {tuple(k.shape)} must be [{q.shape[0]}, kv_heads, {q.shape[2]}]")
+    _require(k.dtype == q.dtype, "k", lambda: f"dtype {k.dtype} differs from q's {q.dtype}")
     _require_like(v, k, "v", "k")
     _require_index(positions, "positions", 1)
     _require(positions.shape[0] == q.shape[0], "positions", "length differs from q's token count")
     _require_float(cos_sin_cache, "cos_sin_cache")
     _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == q.shape[2], "cos_sin_cache",
-             f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
+             lambda: f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
     _require_cache(k_cache, "k_cache")
     _require(k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1, "k_cache",
-             f"must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}] with unit stride along head_dim")
+             lambda: f"must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}] with unit stride along head_dim")
     _require_like(v_cache, k_cache, "v_cache", "k_cache")
     _require(v_cache.stride(3) == 1, "v_cache", "must have unit stride along head_dim")
     _require_index(slot_mapping, "slot_mapping", 1)
@@ -177,7 +183,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     block_tables[i]; with `causal`, query row j of a sequence of Lq rows sees keys
     < seq_len - Lq + j + 1. A sequence with seq_len 0 gets zeros. Returns [T, Hq, D]."""
     _require_float(q, "q")
-    _require(q.dim() == 3, "q", f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    _require(q.dim() == 3, "q", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     _require_cache(k_cache, "k_cache")
     _require_like(v_cache, k_cache, "v_cache", "k_cache")
     _require(k_cache.shape[3] == q.shape[2], "k_cache", "head_dim differs from q's")
@@ -199,7 +205,7 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     on the batch; argmax(logits) where temperatures[i] == 0. -inf logits are never drawn.
     Returns int64 [B]."""
     _require_float(logits, "logits")
-    _require(logits.dim() == 2, "logits", f"must be [rows, vocab], got shape {tuple(logits.shape)}")
+    _require(logits.dim() == 2, "logits", lambda: f"must be [rows, vocab], got shape {tuple(logits.shape)}")
     _require_float(temperatures, "temperatures")
     _require(temperatures.shape == logits.shape[:1], "temperatures", "must have one entry per row")
     _require_index(seeds, "seeds", 1)

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import num_warps, rows_per_program
+from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
+from nanovllm.kernels.launch import fast_launch
 
 _MAX_BLOCK_C = 1024  # divides the real hidden sizes (1024..8192, 3072) without a ragged tail
 
@@ -42,6 +43,7 @@ def _activate(x, ACTIVATION: tl.constexpr):
         return _gelu(x, ACTIVATION)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _act_and_mul_kernel(x_ptr, out_ptr, n_rows, d, x_row_stride,
                         ACTIVATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -53,6 +55,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, n_rows, d, x_row_stride,
     tl.store(out_ptr + rows[:, None] * d + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _add_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_rows, n_cols, x_row_stride,
                      APPROXIMATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -63,6 +66,7 @@ def _add_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_rows, n_cols, x_row_stride,
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _mul_add_kernel(a_ptr, b_ptr, c_ptr, out_ptr, n_rows, n_cols, a_row_stride, b_row_stride, c_row_stride,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -75,16 +79,18 @@ def _mul_add_kernel(a_ptr, b_ptr, c_ptr, out_ptr, n_rows, n_cols, a_row_stride, 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, x.shape[-1]] with unit column stride: a view where the strides allow one."""
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x  # the common case, without the microsecond a reshape costs
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def _launch(kernel, n_rows: int, n_cols: int, *args, **constexprs) -> None:
     """Runs `kernel` over a [n_rows, n_cols] problem in tiles of BLOCK_R rows x BLOCK_C columns."""
-    block_c = min(triton.next_power_of_2(n_cols), _MAX_BLOCK_C)
-    col_blocks = triton.cdiv(n_cols, block_c)
+    block_c = min(next_power_of_2(n_cols), _MAX_BLOCK_C)
+    col_blocks = cdiv(n_cols, block_c)
     block_r = rows_per_program(n_rows, block_c, col_blocks)
-    grid = (triton.cdiv(n_rows, block_r) * col_blocks,)
+    grid = (cdiv(n_rows, block_r) * col_blocks,)
     kernel[grid](*args, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps(block_r * block_c), **constexprs)
 
 
@@ -107,7 +113,7 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
 
 
 def fused_add_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
     rows, n_cols = _rows(x), x.shape[-1]
@@ -117,14 +123,14 @@ def fused_add_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh
 
 
 def element_wise_mul_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    out = torch.empty_like(a, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
     if a.is_contiguous() and b.is_contiguous() and c.is_contiguous():
-        # one long row: full tiles whatever the last dimension is
-        views = [t.view(1, -1) for t in (a, b, c)]
+        # one long row, full tiles whatever the last dimension is; its row stride is never used
+        n_rows, n_cols, views, strides = 1, out.numel(), (a, b, c), (0, 0, 0)
     else:
         views = [_rows(t) for t in (a, b, c)]
-    n_rows, n_cols = views[0].shape
-    _launch(_mul_add_kernel, n_rows, n_cols, *views, out, n_rows, n_cols, *(v.stride(0) for v in views))
+        (n_rows, n_cols), strides = views[0].shape, [v.stride(0) for v in views]
+    _launch(_mul_add_kernel, n_rows, n_cols, *views, out, n_rows, n_cols, *strides)
     return out

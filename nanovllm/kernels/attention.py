@@ -10,9 +10,23 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from nanovllm.kernels._tiling import cdiv, next_power_of_2
+from nanovllm.kernels.launch import fast_launch
+
 _LOG2E = 1.4426950408889634
-# A split below this many keys costs more in partial writes and merging than it gains.
-_MIN_PARTITION = 256
+# Splitting aims at this many programs per SM if every sequence filled its block table: one
+# program's loads in flight while another computes, and long splits, few partials (the split
+# sweep in docs/attention.md, before the merge rewrite: 32 splits beat 64 for 1 x 32768).
+_PROGRAMS_PER_SM = 2
+# Fewest keys per split: two decode key tiles, so that a split still overlaps one tile's loads
+# with the other's compute. Small splits let a short sequence in a padded decode graph's table
+# spread over several programs, while the splits past its seq_len exit at once and the merge
+# skips them. Not measured yet: the split sweep decides.
+_MIN_PARTITION = 128
+# A merge tile (splits x head dim, fp32) holds at most _MERGE_TILE elements, _MERGE_PER_THREAD
+# per thread: registers, no spills (8 warps at most).
+_MERGE_TILE = 8192
+_MERGE_PER_THREAD = 32
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 
 
@@ -43,21 +57,36 @@ def _load_rows(ptrs, row_mask, d_mask, MASK_ROWS: tl.constexpr, MASK_D: tl.const
 
 
 @triton.jit
+def _kv_rows(block_table_row, start, offs_n, in_range, stride_btc, stride_kb, stride_kt, stride_vb, stride_vt,
+             BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Offsets of keys start + offs_n in the K and V caches."""
+    if BLOCK_N <= BLOCK_SIZE:
+        # Tiles start at multiples of BLOCK_N, which divides BLOCK_SIZE, so a tile lies in one
+        # cache block: that of its first key, which is below `hi` and so owned by the sequence.
+        # One scalar load, not BLOCK_N.
+        block = tl.load(block_table_row + (start // BLOCK_SIZE) * stride_btc).to(tl.int64)
+        slot = start % BLOCK_SIZE + offs_n
+    else:
+        # Keys at or past `hi` read no block-table entry: padding entries may be garbage.
+        pos = start + offs_n
+        block = tl.load(block_table_row + (pos // BLOCK_SIZE) * stride_btc, mask=in_range, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+    # int64: block * stride_kb exceeds 2^31 elements in large caches.
+    return block * stride_kb + slot * stride_kt, block * stride_vb + slot * stride_vt
+
+
+@triton.jit
 def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, block_table_row, start, hi, row_limit, qk_scale,
                     offs_n, offs_d, d_mask, stride_btc, stride_kb, stride_kt, stride_kd,
                     stride_vb, stride_vt, stride_vd,
-                    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     """One online-softmax step over keys start..start+BLOCK_N. MASKED tiles may reach `hi` (one
     past the program's last key) or a row's causal limit; others lie wholly below both."""
     pos = start + offs_n
     in_range = pos < hi
-    # Keys at or past `hi` read neither the block table, whose padding may be garbage, nor the cache.
-    block = tl.load(block_table_row + (pos // BLOCK_SIZE) * stride_btc, mask=in_range, other=0).to(tl.int64)
-    slot = pos % BLOCK_SIZE
-    # int64: block * stride_kb exceeds 2^31 elements in large caches.
-    k_rows = block * stride_kb + slot * stride_kt
-    v_rows = block * stride_vb + slot * stride_vt
+    k_rows, v_rows = _kv_rows(block_table_row, start, offs_n, in_range, stride_btc, stride_kb, stride_kt,
+                              stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
     k = _load_rows(k_head_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, in_range, d_mask, MASKED, PAD_D)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
@@ -71,8 +100,17 @@ def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, block_table_row, s
     return acc, m_new, l_i
 
 
+@triton.jit
+def _split_rows(token, head, num_splits, NUM_HEADS: tl.constexpr):
+    """Rows of this program's split in the [tokens, heads, splits] scratch buffers. Computed
+    where needed rather than once: kept live across the key loops it cost prefill tiles 40
+    registers (sm_90)."""
+    return (token * NUM_HEADS + head) * num_splits + tl.program_id(2)
+
+
 # Values that change from step to step (the block-table width too) must not each compile a
 # kernel of their own.
+@fast_launch
 @triton.jit(do_not_specialize=["partition_size", "num_splits", "stride_btr"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
@@ -93,23 +131,19 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     # The grid runs y from 0 up: giving y = 0 the last tile starts the longest causal tiles first.
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    # All three loads before the first exit, which needs two of them: their latencies overlap.
     q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int32)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32) - q_start
+    q_end = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    q_len = q_end - q_start
     if tile * BLOCK_M >= q_len * GROUP:
         return
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
 
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row = offs_m // GROUP
     head = kv_head * GROUP + offs_m % GROUP
     row_mask = offs_m < q_len * GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     token = (q_start + row).to(tl.int64)
-    q = _load_rows(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                   row_mask, d_mask, True, PAD_D)
-    q = q.to(k_cache_ptr.dtype.element_ty)
 
     lo = 0
     hi = seq_len
@@ -127,6 +161,22 @@ def _paged_attention_kernel(
         row_limit = tl.minimum(row_limit, first_visible_end + row)
     full_hi = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
 
+    if SPLIT:
+        if lo >= hi:
+            # No row of the tile sees a key of this split: past seq_len (most splits of a short
+            # sequence in a padded decode graph) or past every row's causal limit. lse = -inf
+            # alone tells the merge to skip the split, partial output unread.
+            split_row = _split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
+            tl.store(lse_ptr + split_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
+            return
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    q = _load_rows(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                   row_mask, d_mask, True, PAD_D)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
     # m starts finite so that a row whose first tiles are all masked gets exp2(-inf - m) = 0, not NaN.
     m_i = tl.zeros([BLOCK_M], tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -139,20 +189,20 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, block_table_row, start, hi,
                                         row_limit, qk_scale, offs_n, offs_d, d_mask, stride_btc,
                                         stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                                        BLOCK_SIZE, False, PAD_D, DOT_PRECISION)
+                                        BLOCK_N, BLOCK_SIZE, False, PAD_D, DOT_PRECISION)
     for start in tl.range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, block_table_row, start, hi,
                                         row_limit, qk_scale, offs_n, offs_d, d_mask, stride_btc,
                                         stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                                        BLOCK_SIZE, True, PAD_D, DOT_PRECISION)
+                                        BLOCK_N, BLOCK_SIZE, True, PAD_D, DOT_PRECISION)
 
-    # A row that saw no key (seq_len 0, or an empty split) has l = 0: it yields zeros.
+    # A row that saw no key (seq_len 0, or all its keys in other splits) has l = 0: it yields zeros.
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     acc = acc / l_safe[:, None]
     store_mask = row_mask[:, None] & d_mask[None, :]
     if SPLIT:
-        split_row = (token * (NUM_KV_HEADS * GROUP) + head) * num_splits + tl.program_id(2)
+        split_row = _split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
         tl.store(out_ptr + split_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
         tl.store(lse_ptr + split_row, tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf")), mask=row_mask)
     else:
@@ -160,27 +210,39 @@ def _paged_attention_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_ot, stride_oh, stride_od,
-                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[token, head] = sum_s 2^(lse_s - lse) * partial_s, lse = log2 sum_s 2^lse_s."""
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    """out[token, head] = sum_s 2^(lse_s - lse) * partial_s, lse = log2 sum_s 2^lse_s. Splits
+    come BLOCK_S at a time, each chunk as one tile of independent loads: with BLOCK_S at least
+    the split count (the usual case) the loop runs once, and its latency is that of two
+    dependent loads (lse, then partials), whatever the number of splits."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     first = (token * NUM_HEADS + head) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    # Finite start, as in the main kernel: empty splits carry lse = -inf and weigh exactly 0.
+    # Finite start, as in the main kernel: if every split is empty (lse = -inf), all weights are
+    # exp2(-inf - m) = 0, not NaN.
     m = -1.0e30
     weight_sum = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in tl.range(0, num_splits):
-        lse = tl.load(lse_ptr + first + split)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.math.exp2(m - m_new)
+    for chunk in tl.range(0, num_splits, BLOCK_S):
+        split = chunk + offs_s
+        lse = tl.load(lse_ptr + first + split, mask=split < num_splits, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
         weight = tl.math.exp2(lse - m_new)
-        partial = tl.load(partial_ptr + (first + split) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-        acc = acc * alpha + weight * partial
-        weight_sum = weight_sum * alpha + weight
+        # Splits that weigh 0 add nothing, and one that saw no key may have left its partial
+        # unwritten (garbage, NaN even): never read those.
+        live = weight > 0.0
+        partial = tl.load(partial_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :],
+                          mask=live[:, None] & d_mask[None, :], other=0.0)
+        alpha = tl.math.exp2(m - m_new)
+        acc = acc * alpha + tl.sum(weight[:, None] * partial, 0)
+        weight_sum = weight_sum * alpha + tl.sum(weight, 0)
         m = m_new
     acc = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
@@ -196,7 +258,7 @@ def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dt
     if dtype == torch.float32 and device.type == "cuda":
         return TileConfig(16, 16, 4, 2)  # exact fp32 dots hold their operands in registers
     if max_seqlen_q == 1:
-        return TileConfig(max(16, triton.next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, 3)
+        return TileConfig(max(16, next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, 3)
     if block_d <= 64:
         return TileConfig(128, 64, 4, 3)
     if block_d <= 128:
@@ -205,7 +267,7 @@ def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dt
 
 
 def _padded_head_dim(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    return max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
 
 
 @functools.cache
@@ -219,16 +281,18 @@ def _multiprocessor_count(device: torch.device) -> int:
 def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
                num_splits: int | None = None) -> tuple[int, int]:
     """(splits, keys per split) from host-known shapes only. Splits only when the unsplit grid
-    fills less than one wave, then aims at about four programs per SM."""
+    fills less than one wave, then aims at _PROGRAMS_PER_SM, with no split under _MIN_PARTITION
+    keys. Keys per split are a multiple of block_n: the kernel's key tiles rely on starting at
+    multiples of BLOCK_N."""
     if num_splits is None:
         sms = _multiprocessor_count(device)
         if programs >= sms:
             num_splits = 1
         else:
-            num_splits = min(triton.cdiv(4 * sms, programs), triton.cdiv(max_kv, _MIN_PARTITION))
-    num_splits = max(1, min(num_splits, _MAX_GRID_YZ, triton.cdiv(max_kv, block_n)))
-    partition = triton.cdiv(triton.cdiv(max_kv, num_splits), block_n) * block_n
-    return triton.cdiv(max_kv, partition), partition
+            num_splits = min(cdiv(_PROGRAMS_PER_SM * sms, programs), cdiv(max_kv, _MIN_PARTITION))
+    num_splits = max(1, min(num_splits, _MAX_GRID_YZ, cdiv(max_kv, block_n)))
+    partition = cdiv(cdiv(max_kv, num_splits), block_n) * block_n
+    return cdiv(max_kv, partition), partition
 
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
@@ -244,7 +308,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
     config = config or default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device)
-    q_tiles = triton.cdiv(max_seqlen_q * group, config.block_m)
+    q_tiles = cdiv(max_seqlen_q * group, config.block_m)
     if q_tiles > _MAX_GRID_YZ:
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} query rows need {q_tiles} tiles, over the grid limit")
     programs = num_seqs * num_kv_heads * q_tiles
@@ -261,10 +325,19 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     partial = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
     _with_fallback(launch, config, partial, lse, True, shape_class)
+    _merge_splits(partial, lse, out, block_d)
+    return out
+
+
+def _merge_splits(partial, lse, out, block_d: int) -> None:
+    num_tokens, num_heads, splits, head_dim = partial.shape
+    # A power of two (one compiled variant per doubling of the split count), all splits at
+    # once unless the tile would pass _MERGE_TILE.
+    block_s = min(next_power_of_2(splits), _MERGE_TILE // block_d)
+    num_warps = max(1, block_s * block_d // (32 * _MERGE_PER_THREAD))
     _merge_splits_kernel[(num_tokens, num_heads)](
         partial, lse, out, splits, *out.stride(), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        num_warps=1 if block_d <= 128 else 2)
-    return out
+        BLOCK_S=block_s, num_warps=num_warps)
 
 
 def _with_fallback(launch, config: TileConfig, out, lse, split: bool, shape_class: tuple) -> None:

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import num_warps, rows_per_program
+from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
+from nanovllm.kernels.launch import fast_launch
 
 
 @triton.jit
@@ -22,6 +23,7 @@ def _copy_rows(src_ptr, src_token_stride, src_head_stride, src_dim_stride,
              values.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _store_kvcache_kernel(key_ptr, key_token_stride, key_head_stride, key_dim_stride,
                           value_ptr, value_token_stride, value_head_stride, value_dim_stride,
@@ -48,9 +50,9 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
     n_rows = n_tokens * kv_heads
     if n_rows == 0 or head_dim == 0:
         return
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     block_r = rows_per_program(n_rows, block_d)
-    _store_kvcache_kernel[(triton.cdiv(n_rows, block_r),)](
+    _store_kvcache_kernel[(cdiv(n_rows, block_r),)](
         key, *key.stride(), value, *value.stride(), k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
         slot_mapping, n_rows, kv_heads, head_dim, k_cache.shape[1],
         BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d))

@@ -2,14 +2,15 @@
 residual add (fused_add_rms_norm). A program holds BLOCK_R whole rows in registers, so x is
 read once and every output written once.
 
-Rows are addressed through a [outer, inner, D] strided view (see `_strided_rows`): Qwen3's
+Rows are addressed as [outer, inner, D] through strides (see `_row_layout`): Qwen3's
 per-head q/k norm runs on a [T, H, D] slice of the packed qkv output, whose token stride is
 not H * D, without a copy."""
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import num_warps, rows_per_program
+from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
+from nanovllm.kernels.launch import fast_launch
 
 
 @triton.jit
@@ -17,6 +18,7 @@ def _row_offsets(rows, inner, outer_stride, inner_stride):
     return (rows // inner) * outer_stride + (rows % inner) * inner_stride
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows", "x_inner", "res_inner"])
 def _rms_norm_kernel(x_ptr, x_inner, x_outer_stride, x_inner_stride,
                      res_ptr, res_inner, res_outer_stride, res_inner_stride,
@@ -44,51 +46,55 @@ def _rms_norm_kernel(x_ptr, x_inner, x_outer_stride, x_inner_stride,
         tl.store(out_ptr + rows[:, None] * D + cols[None, :], normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _strided_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as an [outer, inner, D] view with unit stride along D, merging the leading dimensions
-    as far as the strides allow; a contiguous copy when no such view exists."""
-    d = x.shape[-1]
-    if x.stride(-1) == 1:
-        inner = x.shape[-2] if x.dim() > 1 else 1
-        for shape in ((1, -1, d), (-1, inner, d)):
-            try:
-                return x.view(shape)
-            except RuntimeError:  # the leading strides do not merge this way
-                pass
-    return x.contiguous().view(1, -1, d)
+def _row_layout(x: torch.Tensor):
+    """(x or a contiguous copy, inner, outer_stride, inner_stride): its rows as [outer, inner, D]
+    with unit stride along D, read off x's strides where possible, since a view costs a
+    microsecond of host time. Only leading dimensions whose strides do not merge into two
+    are copied."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.is_contiguous():
+        return x, 1, x.shape[-1], 0  # row r starts at r * D, whatever the dimensions
+    strides = x.stride()
+    if len(strides) == 2:
+        return x, 1, strides[0], 0
+    if len(strides) == 3:
+        return x, x.shape[1], strides[0], strides[1]
+    try:
+        rows = x.view(-1, *x.shape[-2:])
+    except RuntimeError:  # the leading strides do not merge
+        x = x.contiguous()
+        return x, 1, x.shape[-1], 0
+    return x, rows.shape[1], rows.stride(0), rows.stride(1)
 
 
-def _row_args(rows: torch.Tensor):
-    return rows, rows.shape[1], rows.stride(0), rows.stride(1)
-
-
-def _launch(x_rows: torch.Tensor, res_rows: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float,
-            has_residual: bool) -> None:
-    n_rows, d = x_rows.shape[0] * x_rows.shape[1], x_rows.shape[2]
-    block_d = triton.next_power_of_2(d)
+def _launch(x_layout, res_layout, out: torch.Tensor, weight: torch.Tensor, eps: float, has_residual: bool) -> None:
+    d = out.shape[-1]
+    n_rows = out.numel() // d
+    block_d = next_power_of_2(d)
     block_r = rows_per_program(n_rows, block_d)
-    _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
-        *_row_args(x_rows), *_row_args(res_rows), out, weight.contiguous(), n_rows, d, eps,
+    _rms_norm_kernel[(cdiv(n_rows, block_r),)](
+        *x_layout, *res_layout, out, weight.contiguous(), n_rows, d, eps,
         HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Returns a new contiguous tensor; x is only read, through its strides."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if out.numel() > 0:
-        x_rows = _strided_rows(x)
-        _launch(x_rows, x_rows, out, weight, eps, has_residual=False)
+        layout = _row_layout(x)
+        _launch(layout, layout, out, weight, eps, has_residual=False)
     return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """In place: the sum goes into residual's memory and the normalised sum into x's, and
     (x, residual) come back, so no memory is allocated. Inputs whose strides leave no
-    [outer, inner, D] view are copied first, and the copies come back instead."""
+    [outer, inner, D] layout are copied first, and the copies come back instead."""
     if x.numel() == 0:
         return x, residual
     if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         residual = residual.clone()  # else the sum and the normalised rows could land in one place
-    x_rows, res_rows = _strided_rows(x), _strided_rows(residual)
-    _launch(x_rows, res_rows, x_rows, weight, eps, has_residual=True)
-    return x_rows.view(x.shape), res_rows.view(residual.shape)
+    x_layout, res_layout = _row_layout(x), _row_layout(residual)
+    _launch(x_layout, res_layout, x_layout[0], weight, eps, has_residual=True)
+    return x_layout[0], res_layout[0]

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import num_warps
+from nanovllm.kernels._tiling import next_power_of_2, num_warps
+from nanovllm.kernels.launch import fast_launch
 
 
 @triton.jit
@@ -35,6 +36,7 @@ def _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM: tl.const
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["eps"])
 def _qk_norm_rope_store_kernel(
     q_ptr, q_token_stride, q_head_stride, k_ptr, k_token_stride, k_head_stride,
@@ -99,8 +101,8 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     cache = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # read one entry a token
     has_norm = q_weight is not None
-    block_hq, block_hk = triton.next_power_of_2(q_heads), triton.next_power_of_2(kv_heads)
-    block_half = triton.next_power_of_2(half)
+    block_hq, block_hk = next_power_of_2(q_heads), next_power_of_2(kv_heads)
+    block_half = next_power_of_2(half)
     _qk_norm_rope_store_kernel[(n_tokens, 3)](
         q_rows, q_rows.stride(0), q_rows.stride(1), k_rows, k_rows.stride(0), k_rows.stride(1),
         v_rows, v_rows.stride(0), v_rows.stride(1), positions, cache, cache.stride(0),

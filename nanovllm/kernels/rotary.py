@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import num_warps, rows_per_program
+from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
+from nanovllm.kernels.launch import fast_launch
 
 
 @triton.jit
@@ -31,6 +32,7 @@ def _rotate_rows(x_ptr, first_row, n_rows, heads, token_stride, head_stride, dim
     tl.store(x2_ptrs, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_tokens"])
 def _rotary_kernel(q_ptr, q_heads, q_token_stride, q_head_stride, q_dim_stride,
                    k_ptr, k_heads, k_token_stride, k_head_stride, k_dim_stride,
@@ -54,9 +56,9 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     n_tokens, half = q.shape[0], q.shape[2] // 2
     if n_tokens == 0 or half == 0:
         return q, k
-    block_half = triton.next_power_of_2(half)
+    block_half = next_power_of_2(half)
     block_r = rows_per_program(n_tokens * (q.shape[1] + k.shape[1]), 2 * block_half)
-    grid = (triton.cdiv(n_tokens * q.shape[1], block_r) + triton.cdiv(n_tokens * k.shape[1], block_r),)
+    grid = (cdiv(n_tokens * q.shape[1], block_r) + cdiv(n_tokens * k.shape[1], block_r),)
     cache = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
     positions = positions if positions.stride(0) == 1 else positions.contiguous()  # the kernel reads it densely
     _rotary_kernel[grid](q, q.shape[1], *q.stride(), k, k.shape[1], *k.stride(),

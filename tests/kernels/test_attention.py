@@ -189,6 +189,55 @@ def test_auto_split_interpreted(interpreted, nan_empty):
 
 
 @interpret
+@pytest.mark.parametrize("merge_tile", [None, 256])
+def test_decode_padded_table_interpreted(interpreted, nan_empty, monkeypatch, merge_tile):
+    """A decode graph's block table reaches far past its sequences: of 37 splits (not a power
+    of two) of 16 keys, most are empty, write no partial (NaN here) and must not reach the
+    output. merge_tile 256 makes the merge take the splits 4 at a time."""
+    if merge_tile:
+        monkeypatch.setattr(attention, "_MERGE_TILE", merge_tile)
+    case = make_case([(1, 40), (1, 0), (1, 150), (1, 17)], (4, 2), 64, block_size=16, spare_columns=27)
+    assert attention.split_plan(8, case.block_tables.shape[1] * 16, 16, torch.device("cpu"), 37) == (37, 16)
+    out = check(case, num_splits=37, config=attention.TileConfig(16, 16, 4, 1))
+    assert (out[1] == 0).all()
+
+
+@interpret
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_size,block_n", [(16, 32), (32, 32), (64, 16)])
+def test_block_table_paths_interpreted(interpreted, nan_empty, num_splits, block_size, block_n):
+    """A key tile inside one cache block (BLOCK_N <= block size, starting mid-block when
+    smaller) loads one block id; a tile spanning blocks loads one per key."""
+    case = make_case([(3, 100), (1, 77), (2, 2), (1, 0)], (4, 2), 32, block_size)
+    check(case, num_splits=num_splits, config=attention.TileConfig(16, block_n, 4, 1))
+
+
+@interpret
+@pytest.mark.parametrize("splits,merge_tile", [(2, None), (37, None), (37, 512)])
+def test_merge_splits_interpreted(interpreted, monkeypatch, splits, merge_tile):
+    """The merge alone: partials weighed by 2^lse, all splits in one tile or (merge_tile 512,
+    head dim 80 padded to 128) 4 at a time. Empty splits (lse -inf) hold NaN partials, which it
+    must not read; a (token, head) whose splits are all empty gets zeros."""
+    if merge_tile:
+        monkeypatch.setattr(attention, "_MERGE_TILE", merge_tile)
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, head_dim = 3, 2, 80
+    partial = torch.randn(tokens, heads, splits, head_dim, generator=gen)
+    lse = 8 * torch.randn(tokens, heads, splits, generator=gen)
+    empty = torch.rand(tokens, heads, splits, generator=gen) < 0.6
+    empty[0, 1] = True
+    empty[1, 0, 0] = False
+    partial[empty] = float("nan")
+    lse[empty] = float("-inf")
+    out = torch.full((tokens, heads + 1, head_dim), float("nan"))[:, 1:]  # a strided view, as out may be
+    attention._merge_splits(partial, lse, out, attention._padded_head_dim(head_dim))
+    weights = torch.where(empty, 0.0, torch.exp2(lse.double() - lse.amax(-1, keepdim=True).double()))
+    ref = (weights[..., None] * partial.double().nan_to_num()).sum(2) / weights.sum(2, keepdim=True).clamp_min(1e-300)
+    assert (out[0, 1] == 0).all()
+    assert_close(out, ref, torch.float32)
+
+
+@interpret
 def test_non_contiguous_q_interpreted(interpreted, nan_empty):
     """q as a view into a fused qkv projection output."""
     case = make_case(MIXED[1:], (4, 2), 32)
@@ -201,11 +250,16 @@ def test_non_contiguous_q_interpreted(interpreted, nan_empty):
 # --- host-side rules (no kernel runs) ---------------------------------------------------------
 
 @pytest.mark.skipif(attention is None, reason="needs Triton")
-def test_split_plan():
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    assert attention.split_plan(10**6, 32768, 64, device) == (1, 32768)
-    splits, partition = attention.split_plan(1, 32768, 64, device)
-    assert splits > 1 and partition % 64 == 0 and (splits - 1) * partition < 32768 <= splits * partition
+def test_split_plan(monkeypatch):
+    monkeypatch.setattr(attention, "_multiprocessor_count", lambda device: 132)  # H100, H200
+    device = torch.device("cpu")
+    assert attention.split_plan(132, 32768, 64, device) == (1, 32768)  # a full wave already
+    assert attention.split_plan(8, 32768, 64, device) == (32, 1024)  # 1 x 32768, 8 kv heads: 2 programs per SM
+    assert attention.split_plan(8, 4096, 64, device) == (32, 128)  # no split under 128 keys
+    for programs, max_kv in [(1, 32768), (3, 10000), (64, 4096), (131, 640)]:
+        splits, partition = attention.split_plan(programs, max_kv, 64, device)
+        assert partition % 64 == 0 and (splits - 1) * partition < max_kv <= splits * partition
+        assert partition >= 128 and programs * (splits - 1) < 2 * 132
     assert attention.split_plan(1, 100, 64, device, num_splits=50) == (2, 64)
 
 
@@ -323,8 +377,8 @@ def test_decode_cuda_graph_gpu(batch):
 
 
 def _compiled_variants() -> int:
-    kernel_caches = [entry[0] for entry in attention._paged_attention_kernel.device_caches.values()]
-    return sum(len(cache) for cache in kernel_caches)
+    kernels = (attention._paged_attention_kernel, attention._merge_splits_kernel)
+    return sum(len(entry[0]) for kernel in kernels for entry in kernel.device_caches.values())
 
 
 @gpu
@@ -334,12 +388,13 @@ def test_new_token_counts_do_not_recompile_gpu():
         _compiled_variants()
     except (AttributeError, TypeError, IndexError):
         pytest.skip("this Triton keeps its compiled-kernel cache elsewhere")
-    # Each pair stays on one side of the split threshold (132 programs on an H100).
+    # The first two pairs stay unsplit (over 132 programs, an H100's SMs). The split decodes
+    # force 9 and 13 splits: one merge variant (BLOCK_S 16) whatever the GPU's SM count.
     prefill = [[(17, 40), (100, 100)] * 5, [(5, 300), (64, 64), (1, 9), (230, 230)] * 2]
     decode = [[(1, n) for n in range(100, 4000, 13)], [(1, n) for n in range(50, 9000, 31)]]
     split_decode = [[(1, 5000)] * 3, [(1, 7000), (1, 20)] * 2]
-    for shapes in (prefill, decode, split_decode):
-        check(make_case(shapes[0], (16, 8), 128, 16, torch.bfloat16, "cuda"))
+    for shapes, splits in ((prefill, (None, None)), (decode, (None, None)), (split_decode, (9, 13))):
+        check(make_case(shapes[0], (16, 8), 128, 16, torch.bfloat16, "cuda"), num_splits=splits[0])
         before = _compiled_variants()
-        check(make_case(shapes[1], (16, 8), 128, 16, torch.bfloat16, "cuda", spare_columns=7))
+        check(make_case(shapes[1], (16, 8), 128, 16, torch.bfloat16, "cuda", spare_columns=7), num_splits=splits[1])
         assert _compiled_variants() == before

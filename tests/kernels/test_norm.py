@@ -108,6 +108,26 @@ def test_cuda_graph_capture():
     assert_close(normed, expected_normed, torch.bfloat16)
 
 
+_BASE = torch.randn(4, 5, 6, 7, 8)
+
+
+@pytest.mark.parametrize("x", [
+    _BASE[0, 0, 0], _BASE[0, 0], _BASE[0], _BASE, _BASE[:, 1:3], _BASE[:, :, 2:5], _BASE[:, 1:3, 2:5], _BASE[::2],
+    _BASE[:, :1], _BASE[:1, :, :1], _BASE[..., 1:5], _BASE.transpose(0, 1), _BASE.transpose(2, 3),
+    _BASE[0].transpose(0, 1), _BASE.view(20, 6, 7, 8)[:, 1:4],
+], ids=lambda x: f"{tuple(x.shape)}:{x.stride()}")
+def test_row_layout_addresses_every_row(x):
+    """The kernel's addressing, (r // inner) * outer_stride + (r % inner) * inner_stride, applied
+    to the layout of x (no interpreter needed): it must find x's rows in order."""
+    from nanovllm.kernels.norm import _row_layout
+    t, inner, outer_stride, inner_stride = _row_layout(x)
+    flat = t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    starts = [t.storage_offset() + (r // inner) * outer_stride + (r % inner) * inner_stride
+              for r in range(x.numel() // x.shape[-1])]
+    assert torch.equal(torch.stack([flat[start:start + x.shape[-1]] for start in starts]), x.reshape(-1, x.shape[-1]))
+    assert t.data_ptr() == x.data_ptr() or t.is_contiguous()  # a view where one serves, else a copy
+
+
 @pytest.mark.parametrize("call,name", [
     (lambda: rms_norm(torch.randn(3, 8), torch.randn(7), EPS), "weight"),
     (lambda: rms_norm(torch.randn(3, 8), torch.randn(8, dtype=torch.float16), EPS), "weight"),

@@ -1,0 +1,78 @@
+"""A cheaper eager launch for the package's Triton kernels.
+
+`kernel[grid](*args)` (Triton 3.6, JITFunction.run) does on every call what only a new
+specialization needs: it reads knobs, binds and specializes the arguments, formats the
+options into a string for the cache key, re-checks the kernel's globals, builds launch
+metadata for profiler hooks and has the C launcher call both (empty) hook chains. Stacked on
+`@triton.jit`, `fast_launch` keeps that path for the first call of every specialization
+(compilation, Triton's caches and hooks) and afterwards calls the compiled kernel's launcher
+directly, the way `CompiledKernel[grid]` does.
+
+Correctness rests on the cache key: it is the specialization list of Triton's own binder
+(dtype and 16-byte alignment of each pointer, each int's width, divisibility by 16 and
+equality to 1 unless in do_not_specialize, constexpr values) with the launch options
+(num_warps, ...) and the current device. Whatever makes Triton compile a new variant makes
+a new key. The stream is read on every call, so launches follow torch.cuda.stream and graph
+capture as Triton's do. Not re-checked after the first call: the values of globals the
+kernel reads (ours take their constants as arguments).
+
+Under TRITON_INTERPRET=1 `triton.jit` returns no JITFunction and the kernel is left as it is.
+NANOVLLM_FAST_LAUNCH=0 (or `launch.enabled = False`) sends every launch through Triton's path."""
+import functools
+import os
+
+import triton
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+enabled = os.environ.get("NANOVLLM_FAST_LAUNCH", "1") != "0"
+# The internals used here (JITFunction.device_caches and its binder, the arguments of
+# CompiledKernel.run, triton.knobs) are Triton 3.6's; other versions keep Triton's own path.
+SUPPORTED = triton.__version__.startswith("3.6.")
+
+
+def fast_launch(kernel):
+    """Decorator over @triton.jit; call sites keep `kernel[grid](*args, **constexprs)`."""
+    return FastLauncher(kernel) if SUPPORTED and isinstance(kernel, JITFunction) else kernel
+
+
+def cache_key(binder, device: int, args: tuple, kwargs: dict):
+    """-> (key, the arguments in parameter order) of a call on `device`. `binder` is the
+    function Triton generates per kernel and device (JITFunction.device_caches[device][4])."""
+    bound, specialization, options = binder(*args, **kwargs)
+    return (device, *specialization, *options.items()), bound.values()
+
+
+def _observed() -> bool:
+    """Debug mode, instrumentation and launch hooks (profilers) live in Triton's own path."""
+    runtime = triton.knobs.runtime
+    return bool(runtime.debug or triton.knobs.compilation.instrumentation_mode
+                or getattr(runtime.launch_enter_hook, "calls", True)
+                or getattr(runtime.launch_exit_hook, "calls", True))
+
+
+class FastLauncher:
+    """A @triton.jit kernel with its compiled variants, one per cache key, for direct launches."""
+
+    def __init__(self, kernel: JITFunction):
+        self.kernel = kernel
+        self._compiled = {}  # (device, *specialization key) -> CompiledKernel
+
+    def __getitem__(self, grid):
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid, *args, **kwargs):
+        kernel = self.kernel
+        if not enabled or kernel.pre_run_hooks or _observed():
+            return kernel[grid](*args, **kwargs)
+        device = driver.active.get_current_device()
+        key, bound = cache_key(kernel.device_caches[device][4], device, args, kwargs)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            # None again when a jit_cache_hook vetoed compilation: every call then goes this way
+            compiled = self._compiled[key] = kernel[grid](*args, **kwargs)
+            return compiled
+        x, y, z = (*grid, 1, 1)[:3]
+        compiled.run(x, y, z, driver.active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *bound)
+        return compiled

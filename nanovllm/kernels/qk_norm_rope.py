@@ -45,37 +45,47 @@ def _qk_norm_rope_store_kernel(
     v_cache_ptr, vc_block_stride, vc_offset_stride, vc_head_stride, q_heads, kv_heads, half, block_size,
     HAS_NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
+    # Each part in its own function: q and k tiles differ in shape, and values defined in one
+    # branch of an `if` must match those of the other.
     token = tl.cast(tl.program_id(0), tl.int64)
     part = tl.program_id(1)
-    cols = tl.arange(0, BLOCK_HALF)
-    if part == 2:
+    if part == 0:
+        _rotate(q_ptr, token, q_token_stride, q_head_stride, q_heads, positions_ptr, cos_sin_ptr, cos_sin_stride,
+                q_weight_ptr, eps, half, q_ptr, 0, 0, 0, slot_mapping_ptr, block_size, False, HAS_NORM,
+                BLOCK_HQ, BLOCK_HALF)
+    elif part == 1:
+        _rotate(k_ptr, token, k_token_stride, k_head_stride, kv_heads, positions_ptr, cos_sin_ptr, cos_sin_stride,
+                k_weight_ptr, eps, half, k_cache_ptr, kc_block_stride, kc_offset_stride, kc_head_stride,
+                slot_mapping_ptr, block_size, True, HAS_NORM, BLOCK_HK, BLOCK_HALF)
+    else:
         src1, src2, mask = _head_rows(v_ptr, token, v_token_stride, v_head_stride, kv_heads, half, BLOCK_HK,
                                       BLOCK_HALF)
-        v1, v2 = tl.load(src1, mask=mask), tl.load(src2, mask=mask)
-        _store_in_cache(v_cache_ptr, v1, v2, token, slot_mapping_ptr, block_size, vc_block_stride,
-                        vc_offset_stride, vc_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
-        return
+        _store_in_cache(v_cache_ptr, tl.load(src1, mask=mask), tl.load(src2, mask=mask), token, slot_mapping_ptr,
+                        block_size, vc_block_stride, vc_offset_stride, vc_head_stride, kv_heads, half, BLOCK_HK,
+                        BLOCK_HALF)
+
+
+@triton.jit
+def _rotate(x_ptr, token, token_stride, head_stride, heads, positions_ptr, cos_sin_ptr, cos_sin_stride, weight_ptr,
+            eps, half, cache_ptr, block_stride, offset_stride, cache_head_stride, slot_mapping_ptr, block_size,
+            TO_CACHE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Norm and rotation of one token's heads: back in place (q), or into the cache (k)."""
+    cols = tl.arange(0, BLOCK_HALF)
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_sin_ptr + position * cos_sin_stride + cols, mask=cols < half).to(tl.float32)[None, :]
     sin = tl.load(cos_sin_ptr + position * cos_sin_stride + half + cols, mask=cols < half).to(tl.float32)[None, :]
-    if part == 0:
-        x1_ptrs, x2_ptrs, mask = _head_rows(q_ptr, token, q_token_stride, q_head_stride, q_heads, half, BLOCK_HQ,
-                                            BLOCK_HALF)
-        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
-        r1, r2 = _norm_rope(x1, x2, q_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, q_ptr.dtype.element_ty)
-        tl.store(x1_ptrs, r1.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(x2_ptrs, r2.to(q_ptr.dtype.element_ty), mask=mask)
+    x1_ptrs, x2_ptrs, mask = _head_rows(x_ptr, token, token_stride, head_stride, heads, half, BLOCK_H, BLOCK_HALF)
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
+    r1, r2 = _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM, x_ptr.dtype.element_ty)
+    # through x's dtype first: the unfused path stores the rotated tensor, then copies k to the cache
+    r1, r2 = r1.to(x_ptr.dtype.element_ty), r2.to(x_ptr.dtype.element_ty)
+    if TO_CACHE:
+        _store_in_cache(cache_ptr, r1, r2, token, slot_mapping_ptr, block_size, block_stride, offset_stride,
+                        cache_head_stride, heads, half, BLOCK_H, BLOCK_HALF)
     else:
-        x1_ptrs, x2_ptrs, mask = _head_rows(k_ptr, token, k_token_stride, k_head_stride, kv_heads, half, BLOCK_HK,
-                                            BLOCK_HALF)
-        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
-        r1, r2 = _norm_rope(x1, x2, k_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, k_ptr.dtype.element_ty)
-        # through k's dtype first: the unfused path stores the rotated k tensor, then copies it
-        r1, r2 = r1.to(k_ptr.dtype.element_ty), r2.to(k_ptr.dtype.element_ty)
-        _store_in_cache(k_cache_ptr, r1, r2, token, slot_mapping_ptr, block_size, kc_block_stride,
-                        kc_offset_stride, kc_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
+        tl.store(x1_ptrs, r1, mask=mask)
+        tl.store(x2_ptrs, r2, mask=mask)
 
 
 @triton.jit

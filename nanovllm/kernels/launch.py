@@ -58,6 +58,10 @@ class FastLauncher:
         self.kernel = kernel
         self._compiled = {}  # (device, *specialization key) -> CompiledKernel
 
+    def __getattr__(self, name):
+        # The rest of the JITFunction (device_caches, arg_names...), for tools that inspect it.
+        return getattr(self.kernel, name)
+
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
 

@@ -60,6 +60,8 @@ class FastLauncher:
 
     def __getattr__(self, name):
         # The rest of the JITFunction (device_caches, arg_names...), for tools that inspect it.
+        if name == "kernel":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):

@@ -14,14 +14,12 @@ from nanovllm.kernels._tiling import cdiv, next_power_of_2
 from nanovllm.kernels.launch import fast_launch
 
 _LOG2E = 1.4426950408889634
-# Splitting aims at this many programs per SM if every sequence filled its block table: one
-# program's loads in flight while another computes, and long splits, few partials (the split
-# sweep in docs/attention.md, before the merge rewrite: 32 splits beat 64 for 1 x 32768).
+# Splitting aims at this many working programs per SM: one program's loads in flight while
+# another computes, and long splits, few partials (H200 split sweep, docs/attention.md: 32
+# splits of 1 x 32768 beat 64 and 128).
 _PROGRAMS_PER_SM = 2
-# Fewest keys per split: two decode key tiles, so that a split still overlaps one tile's loads
-# with the other's compute. Small splits let a short sequence in a padded decode graph's table
-# spread over several programs, while the splits past its seq_len exit at once and the merge
-# skips them. Not measured yet: the split sweep decides.
+# Fewest keys per split (two decode key tiles), so that a short sequence does not spread over
+# programs that each load a tile or two.
 _MIN_PARTITION = 128
 # A merge tile (splits x head dim, fp32) holds at most _MERGE_TILE elements, _MERGE_PER_THREAD
 # per thread: registers, no spills (8 warps at most).
@@ -111,11 +109,11 @@ def _split_rows(token, head, num_splits, NUM_HEADS: tl.constexpr):
 # Values that change from step to step (the block-table width too) must not each compile a
 # kernel of their own.
 @fast_launch
-@triton.jit(do_not_specialize=["partition_size", "num_splits", "stride_btr"])
+@triton.jit(do_not_specialize=["min_partition", "num_splits", "stride_btr"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, partition_size, num_splits,
+    qk_scale, min_partition, num_splits,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
     stride_btr, stride_btc,
@@ -148,8 +146,12 @@ def _paged_attention_kernel(
     lo = 0
     hi = seq_len
     if SPLIT:
-        lo = tl.program_id(2) * partition_size
-        hi = tl.minimum(hi, lo + partition_size)
+        # Keys per split from this sequence's own length: the host knows only the block table's
+        # width (max_model_len in a decode graph), so a split count fixed there would leave a
+        # short sequence on one or two programs. Its splits past the last key exit at once.
+        partition = tl.maximum(min_partition, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N)
+        lo = tl.program_id(2) * partition
+        hi = tl.minimum(hi, lo + partition)
     # Keys below full_hi are visible to every row of the tile; keys up to hi to some of them.
     full_hi = hi
     row_limit = tl.zeros([BLOCK_M], tl.int32) + hi
@@ -258,7 +260,8 @@ def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dt
     if dtype == torch.float32 and device.type == "cuda":
         return TileConfig(16, 16, 4, 2)  # exact fp32 dots hold their operands in registers
     if max_seqlen_q == 1:
-        return TileConfig(max(16, next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, 3)
+        # 5 stages at head dim 128: 1 x 32768 at 77% of copy bandwidth against 73% with 3 (H200)
+        return TileConfig(max(16, next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, 5 if block_d <= 128 else 3)
     if block_d <= 64:
         return TileConfig(128, 64, 4, 3)
     if block_d <= 128:
@@ -280,19 +283,17 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
                num_splits: int | None = None) -> tuple[int, int]:
-    """(splits, keys per split) from host-known shapes only. Splits only when the unsplit grid
-    fills less than one wave, then aims at _PROGRAMS_PER_SM, with no split under _MIN_PARTITION
-    keys. Keys per split are a multiple of block_n: the kernel's key tiles rely on starting at
-    multiples of BLOCK_N."""
+    """(splits, fewest keys per split) from host-known shapes only. The kernel cuts each
+    sequence's keys into at most `splits` partitions of at least that many keys, multiples of
+    block_n (its key tiles rely on starting at multiples of BLOCK_N). Splits only when the
+    unsplit grid fills less than one wave, then aims at _PROGRAMS_PER_SM programs per SM. A
+    forced `num_splits` (tests, benchmarks) may cut as fine as one key tile."""
+    min_partition = block_n
     if num_splits is None:
         sms = _multiprocessor_count(device)
-        if programs >= sms:
-            num_splits = 1
-        else:
-            num_splits = min(cdiv(_PROGRAMS_PER_SM * sms, programs), cdiv(max_kv, _MIN_PARTITION))
-    num_splits = max(1, min(num_splits, _MAX_GRID_YZ, cdiv(max_kv, block_n)))
-    partition = cdiv(cdiv(max_kv, num_splits), block_n) * block_n
-    return cdiv(max_kv, partition), partition
+        num_splits = 1 if programs >= sms else cdiv(_PROGRAMS_PER_SM * sms, programs)
+        min_partition = cdiv(_MIN_PARTITION, block_n) * block_n
+    return max(1, min(num_splits, _MAX_GRID_YZ, cdiv(max_kv, min_partition))), min_partition
 
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
@@ -313,11 +314,11 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} query rows need {q_tiles} tiles, over the grid limit")
     programs = num_seqs * num_kv_heads * q_tiles
     max_kv = block_tables.shape[1] * block_size
-    splits, partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
+    splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
     block_d = _padded_head_dim(head_dim)
     launch = functools.partial(
         _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal,
-        (num_seqs * num_kv_heads, q_tiles, splits), partition, block_d)
+        (num_seqs * num_kv_heads, q_tiles, splits), min_partition, block_d)
     shape_class = (q.device, q.dtype, k_cache.dtype, head_dim, group, num_kv_heads, block_size, bool(causal))
     if splits == 1:
         _with_fallback(launch, config, out, out, False, shape_class)
@@ -360,12 +361,12 @@ def _with_fallback(launch, config: TileConfig, out, lse, split: bool, shape_clas
     _fitted_configs[key] = config
 
 
-def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal, grid, partition,
+def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal, grid, min_partition,
                       block_d, config: TileConfig, out, lse, split: bool) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, lse, cu_seqlens_q, seq_lens, block_tables,
-        scale * _LOG2E, partition, grid[2],
+        scale * _LOG2E, min_partition, grid[2],
         *q.stride(), *(out.stride() if not split else (0, 0, 0)),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,

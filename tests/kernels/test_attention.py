@@ -253,14 +253,24 @@ def test_non_contiguous_q_interpreted(interpreted, nan_empty):
 def test_split_plan(monkeypatch):
     monkeypatch.setattr(attention, "_multiprocessor_count", lambda device: 132)  # H100, H200
     device = torch.device("cpu")
-    assert attention.split_plan(132, 32768, 64, device) == (1, 32768)  # a full wave already
-    assert attention.split_plan(8, 32768, 64, device) == (32, 1024)  # 1 x 32768, 8 kv heads: 2 programs per SM
+    assert attention.split_plan(132, 32768, 64, device) == (1, 128)  # a full wave already
+    assert attention.split_plan(8, 32768, 64, device) == (33, 128)  # 1 x 32768, 8 kv heads: 2 programs per SM
     assert attention.split_plan(8, 4096, 64, device) == (32, 128)  # no split under 128 keys
-    for programs, max_kv in [(1, 32768), (3, 10000), (64, 4096), (131, 640)]:
-        splits, partition = attention.split_plan(programs, max_kv, 64, device)
-        assert partition % 64 == 0 and (splits - 1) * partition < max_kv <= splits * partition
-        assert partition >= 128 and programs * (splits - 1) < 2 * 132
-    assert attention.split_plan(1, 100, 64, device, num_splits=50) == (2, 64)
+    assert attention.split_plan(64, 4096, 64, device) == (5, 128)
+    assert attention.split_plan(1, 100, 64, device, num_splits=50) == (2, 64)  # forced: one key tile a split
+
+
+@pytest.mark.skipif(attention is None, reason="needs Triton")
+@pytest.mark.parametrize("programs,max_kv,block_n,forced", [(8, 32768, 64, None), (64, 4096, 64, None),
+                                                            (3, 10000, 32, None), (1, 100, 16, 50), (4, 640, 64, 3)])
+def test_splits_cover_every_sequence_length(monkeypatch, programs, max_kv, block_n, forced):
+    """The kernel's keys per split (from seq_len) times the split count reaches every key."""
+    monkeypatch.setattr(attention, "_multiprocessor_count", lambda device: 132)
+    splits, min_partition = attention.split_plan(programs, max_kv, block_n, torch.device("cpu"), forced)
+    assert min_partition % block_n == 0
+    for seq_len in range(0, max_kv + 1, 7):
+        partition = max(min_partition, -(-(-(-seq_len // splits)) // block_n) * block_n)
+        assert splits * partition >= seq_len
 
 
 @pytest.mark.skipif(attention is None, reason="needs Triton")

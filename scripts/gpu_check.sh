@@ -24,6 +24,7 @@ for stage in $STAGES; do case $stage in
   single) run single python3 bench.py --num-seqs 1 --min-input-len 128 --max-input-len 128 --min-output-len 512 --max-output-len 512 --out "$OUT/single" ;;
   comparehf) run comparehf python3 bench.py --compare-hf --num-seqs 32 --max-input-len 512 --min-output-len 128 --max-output-len 128 --out "$OUT/comparehf" ;;
   hfswap) run hfswap python3 -m benchmarks.bench_hf_swap --out "$OUT/hfswap" ;;
+  sweep) run sweep python3 benchmarks/sweep_tiling.py --out "$OUT/sweep" ;;
   launch) run launch python3 benchmarks/bench_launch.py --out "$OUT/launch" ;;
   concurrency) run concurrency python3 benchmarks/bench_concurrency.py --out "$OUT/concurrency" ;;
 esac; done

@@ -19,9 +19,12 @@ _GRAPH_MS = 2.0  # device time one replay aims at, so its launch cost is noise
 
 def _rotated_args(args, kwargs, count):
     """Clones of the tensor arguments, so that consecutive timed calls read different memory
-    and small inputs are not timed out of the L2 cache."""
+    and small inputs are not timed out of the L2 cache. Each clone keeps its original's strides
+    (clone() would make a strided view contiguous and time another layout)."""
     def clone(value):
-        return value.clone() if isinstance(value, torch.Tensor) else value
+        if not isinstance(value, torch.Tensor):
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device).copy_(value)
     return [([clone(a) for a in args], {k: clone(v) for k, v in kwargs.items()}) for _ in range(count)]
 
 

@@ -260,8 +260,9 @@ def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dt
     if dtype == torch.float32 and device.type == "cuda":
         return TileConfig(16, 16, 4, 2)  # exact fp32 dots hold their operands in registers
     if max_seqlen_q == 1:
-        # 5 stages at head dim 128: 1 x 32768 at 77% of copy bandwidth against 73% with 3 (H200)
-        return TileConfig(max(16, next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, 5 if block_d <= 128 else 3)
+        # 3 stages: with 5, 1 x 32768 gains 3-4% of copy bandwidth but 64 x 1000 loses 13% (one
+        # program an SM fits in shared memory instead of two; H200, docs/attention.md)
+        return TileConfig(max(16, next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, 3)
     if block_d <= 64:
         return TileConfig(128, 64, 4, 3)
     if block_d <= 128:

@@ -252,17 +252,20 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_ot, s
 
 
 def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dtype,
-                   device: torch.device) -> TileConfig:
+                   device: torch.device, split: bool = False) -> TileConfig:
     """Tiles for H100/H200, checked there for shared memory and register spills. Decode steps
     (max_seqlen_q == 1) are bandwidth bound: the smallest M that tl.dot takes. Longer queries
-    are compute bound: M of 128 for the tensor cores."""
+    are compute bound: M of 128 for the tensor cores. `split`: the grid is split (see
+    split_plan), so at most about two programs share an SM."""
     block_d = _padded_head_dim(head_dim)
     if dtype == torch.float32 and device.type == "cuda":
         return TileConfig(16, 16, 4, 2)  # exact fp32 dots hold their operands in registers
     if max_seqlen_q == 1:
-        # 3 stages: with 5, 1 x 32768 gains 3-4% of copy bandwidth but 64 x 1000 loses 13% (one
-        # program an SM fits in shared memory instead of two; H200, docs/attention.md)
-        return TileConfig(max(16, next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, 3)
+        # A split grid has room on each SM for the shared memory of 5 stages (1 x 32768: 76% of
+        # copy bandwidth against 70% with 3); an unsplit one needs its programs two an SM, which
+        # 5 stages would halve (64 x 1000: 83% against 96%; H200, docs/attention.md).
+        stages = 5 if split and block_d <= 128 else 3
+        return TileConfig(max(16, next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, stages)
     if block_d <= 64:
         return TileConfig(128, 64, 4, 3)
     if block_d <= 128:
@@ -309,6 +312,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
+    forced_config = config
     config = config or default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device)
     q_tiles = cdiv(max_seqlen_q * group, config.block_m)
     if q_tiles > _MAX_GRID_YZ:
@@ -316,6 +320,8 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     programs = num_seqs * num_kv_heads * q_tiles
     max_kv = block_tables.shape[1] * block_size
     splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
+    if forced_config is None and splits > 1:  # same tiles, maybe a deeper pipeline
+        config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, split=True)
     block_d = _padded_head_dim(head_dim)
     launch = functools.partial(
         _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal,

@@ -408,3 +408,12 @@ def test_new_token_counts_do_not_recompile_gpu():
         before = _compiled_variants()
         check(make_case(shapes[1], (16, 8), 128, 16, torch.bfloat16, "cuda", spare_columns=7), num_splits=splits[1])
         assert _compiled_variants() == before
+
+
+@pytest.mark.skipif(attention is None, reason="needs Triton")
+def test_split_decode_grids_pipeline_deeper():
+    """Split decode grids leave shared memory for 5 stages; unsplit ones keep 3 (occupancy)."""
+    cuda = torch.device("cuda")
+    assert attention.default_config(128, 2, 1, torch.bfloat16, cuda).num_stages == 3
+    assert attention.default_config(128, 2, 1, torch.bfloat16, cuda, split=True).num_stages == 5
+    assert attention.default_config(256, 2, 1, torch.bfloat16, cuda, split=True).num_stages == 3

@@ -91,7 +91,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
-        seq.block_table = []
+        seq.block_table = []  # a new list, not cleared: steps in flight keep the old one (Scheduler.postprocess)
         seq.num_computed_tokens = 0
 
     def register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:

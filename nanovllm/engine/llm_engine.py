@@ -2,6 +2,7 @@
 schedule -> forward + sample -> record until every request is done."""
 import itertools
 import json
+from collections import deque
 import operator
 import os
 import time
@@ -48,6 +49,10 @@ class LLMEngine:
         self._request_ids = itertools.count()
         # Outputs of online requests that finished inside generate(), for the next step() call.
         self._undelivered: list[dict] = []
+        # Steps launched on the device whose tokens are not recorded yet, oldest first: generate()
+        # keeps one here while it prepares the next. A step leaves only once recorded, so an
+        # interrupt while waiting for its tokens loses nothing.
+        self._in_flight: deque[tuple[ScheduledBatch, SampledTokens]] = deque()
         self.last_step_tokens = (0, 0)  # (prefill, decode) tokens computed by the last step
         self._prefill_rate = self._decode_rate = 0.0  # tokens/s of the last step of each kind, for tqdm
 
@@ -85,38 +90,41 @@ class LLMEngine:
         return self.scheduler.abort(request_id) is not None
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and not self._undelivered
+        return self.scheduler.is_finished() and not self._undelivered and not self._in_flight
 
     # --- steps -------------------------------------------------------------------------------
     def step(self) -> list[dict]:
-        """Runs one batch. Returns an output for every request that received a token (and for
-        online requests that finished while generate() ran)."""
+        """Runs one batch (first, a step an interrupted generate() left in flight). Returns an
+        output for every request that received a token (and for online requests that finished
+        while generate() ran)."""
         new = []
-        if not self.scheduler.is_finished():
-            launched = self._launch()
-            if launched is None:
-                raise RuntimeError("scheduler produced an empty step while requests are pending")
-            new = self._collect(launched)
+        if not self._in_flight and not self.scheduler.is_finished() and not self._launch():
+            raise RuntimeError("scheduler produced an empty step while requests are pending")
+        if self._in_flight:
+            new = self._collect_oldest()
         undelivered, self._undelivered = self._undelivered, []  # after the step: kept if it raised
         return undelivered + new
 
-    def _launch(self) -> tuple[ScheduledBatch, SampledTokens] | None:
-        """Schedules a batch and queues it on the device; None if nothing can run until the
-        steps in flight are collected."""
+    def _launch(self) -> bool:
+        """Schedules a batch and queues it on the device; False if nothing can run until the
+        steps in flight are recorded."""
         batch = self.scheduler.schedule()
         if not batch:
-            return None
+            return False
         self.last_step_tokens = self._count_tokens(batch)
         sampled = self.model_runner.launch(batch)
         self.scheduler.launched(batch)
-        return batch, sampled
+        self._in_flight.append((batch, sampled))
+        return True
 
-    def _collect(self, launched: tuple[ScheduledBatch, SampledTokens], finished_only: bool = False) -> list[dict]:
-        """Waits for a launched batch's tokens and records them; outputs of the requests that
-        received one, or with `finished_only` of those that finished (copying every running
-        request's tokens each step costs)."""
-        batch, sampled = launched
-        received = self.scheduler.postprocess(batch, sampled.tolist())
+    def _collect_oldest(self, finished_only: bool = False) -> list[dict]:
+        """Waits for the oldest launched step's tokens and records them; outputs of the requests
+        that received one, or with `finished_only` of those that finished (copying every
+        running request's tokens each step costs)."""
+        batch, sampled = self._in_flight[0]
+        tokens = sampled.tolist()  # the wait: interrupted here, the step stays queued
+        self._in_flight.popleft()
+        received = self.scheduler.postprocess(batch, tokens)
         return [self._output(seq) for seq in received if seq.is_finished or not finished_only]
 
     @staticmethod
@@ -160,23 +168,21 @@ class LLMEngine:
         """Steps until every request in `own` has finished (online requests run alongside;
         their outputs wait for step()). Step N + 1 is scheduled and queued before step N's
         tokens are read, so the device never waits for the host between steps."""
-        in_flight = None
         with tqdm(total=len(own), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             try:
                 while len(outputs) < len(own):
                     started = time.perf_counter()
-                    launched = self._launch() if not self.scheduler.is_finished() else None
-                    if launched is None and in_flight is None:
+                    launched = not self.scheduler.is_finished() and self._launch()
+                    if not launched and not self._in_flight:
                         if self.scheduler.is_finished():
                             break
                         raise RuntimeError("scheduler produced an empty step while requests are pending")
-                    previous, in_flight = in_flight, launched
-                    if previous is not None:
-                        self._deliver(self._collect(previous, finished_only=True), outputs, own, bar)
+                    while len(self._in_flight) > (1 if launched else 0):
+                        self._deliver(self._collect_oldest(finished_only=True), outputs, own, bar)
                     self._show_throughput(bar, time.perf_counter() - started)
             finally:
-                if in_flight is not None:  # nothing launched is left unrecorded, even on an error
-                    self._deliver(self._collect(in_flight, finished_only=True), outputs, own, bar)
+                while self._in_flight:  # nothing launched is left unrecorded, even on an error
+                    self._deliver(self._collect_oldest(finished_only=True), outputs, own, bar)
 
     def _deliver(self, finished: list[dict], outputs: dict, own: set, bar) -> None:
         for out in finished:

@@ -22,6 +22,7 @@ class ScheduledBatch:
     sample_rows: list[int] = field(default_factory=list)  # indices of the sequences that sample a token
     # Filled by Scheduler.launched:
     computed_before: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # the lists themselves: see postprocess
     token_positions: list[int] = field(default_factory=list)  # where each sampled token goes in its sequence
 
     def __len__(self) -> int:
@@ -88,6 +89,8 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.token_ids[-1] == PLACEHOLDER:  # preempted while its token is in flight: wait for it
+                break
             num_new = self.block_manager.admit(seq, budget)
             if num_new == 0:
                 break
@@ -103,6 +106,7 @@ class Scheduler:
         samples gets a placeholder, unless that token ends its sequence by length."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             batch.computed_before.append(seq.num_computed_tokens)
+            batch.block_tables.append(seq.block_table)
             seq.num_computed_tokens += num_new
         for row in batch.sample_rows:
             seq = batch.seqs[row]
@@ -114,8 +118,11 @@ class Scheduler:
         """Records a launched batch's sampled tokens (in `sample_rows` order) and makes the blocks
         it filled findable. Returns the sequences that received a token: not those that finished
         or were aborted while the step ran."""
-        for seq, num_new, before in zip(batch.seqs, batch.num_new_tokens, batch.computed_before):
-            if seq.status == SequenceStatus.RUNNING:
+        for seq, num_new, before, table in zip(batch.seqs, batch.num_new_tokens, batch.computed_before,
+                                               batch.block_tables):
+            # A sequence freed since (finished, aborted, preempted, maybe readmitted) holds another
+            # list: the blocks this step filled are no longer its own.
+            if seq.block_table is table:
                 self.block_manager.register_full_blocks(seq, before, before + num_new)
         received = []
         for row, position, token in zip(batch.sample_rows, batch.token_positions, tokens):

@@ -281,3 +281,46 @@ def test_outputs_waiting_for_step_survive_a_failed_step(checkpoint, new_llm, mon
     monkeypatch.undo()
     finished = run_until_idle(llm)
     assert set(finished) == {online, later}
+
+
+def _interrupt_reading_tokens_once(monkeypatch, after_reads: int):
+    """KeyboardInterrupt on the `after_reads`-th wait for a step's tokens, where the host blocks."""
+    from nanovllm.engine.model_runner import SampledTokens
+
+    tolist, reads = SampledTokens.tolist, {"n": 0}
+
+    def interrupted(self):
+        reads["n"] += 1
+        if reads["n"] == after_reads:
+            raise KeyboardInterrupt
+        return tolist(self)
+
+    monkeypatch.setattr(SampledTokens, "tolist", interrupted)
+
+
+@pytest.mark.parametrize("after_reads", [2, 3])
+def test_an_interrupt_while_waiting_for_tokens_loses_none(checkpoint, new_llm, monkeypatch, after_reads):
+    """A step whose tokens were never read stays queued: every request still ends with its
+    max_tokens real tokens, and nothing is delivered twice."""
+    llm = new_llm(checkpoint("qwen3_tied"))
+    online = llm.add_request([3, 4, 5], sampled(max_tokens=6))
+    _interrupt_reading_tokens_once(monkeypatch, after_reads)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[7, 8], [9, 10, 11]], sampled(max_tokens=2), use_tqdm=False)
+    monkeypatch.undo()
+    finished = run_until_idle(llm)
+    assert len(finished[online]["token_ids"]) == 6 and -1 not in finished[online]["token_ids"]
+    outs = llm.generate([[7, 8], [5]], sampled(max_tokens=3), use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outs] == [3, 3] and llm.memory_stats()["kv_blocks_used"] == 0
+
+
+def test_an_interrupted_step_call_is_recorded_by_the_next(checkpoint, new_llm, monkeypatch):
+    llm = new_llm(checkpoint("qwen3_tied"))
+    request = llm.add_request([3, 4, 5], sampled(max_tokens=4))
+    _interrupt_reading_tokens_once(monkeypatch, 2)
+    llm.step()
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    monkeypatch.undo()
+    finished = run_until_idle(llm)
+    assert len(finished[request]["token_ids"]) == 4 and -1 not in finished[request]["token_ids"]

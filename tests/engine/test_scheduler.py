@@ -73,7 +73,7 @@ workloads = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(workloads)
 def test_random_workloads_finish_without_leaks(w):
     rng = random.Random(w["seed"])
@@ -81,10 +81,13 @@ def test_random_workloads_finish_without_leaks(w):
     num_blocks = -(-max_model_len // w["block_size"]) + w["extra_blocks"]
     scheduler = make_scheduler(num_blocks, w["block_size"], w["max_num_seqs"], w["max_num_batched_tokens"],
                                w["prefix_caching"], max_model_len)
-    shared_prefix = [rng.randrange(1, 50) for _ in range(20)]
+    shared_prefix = [rng.randrange(1, 50) for _ in range(40)]
     seqs = {}
     for request_id in range(w["num_requests"]):
-        prompt = shared_prefix[:rng.randrange(0, 20)] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 20))]
+        if rng.random() < 0.4:  # prompts that are prefixes of one another: blocks shared, and duplicated when concurrent
+            prompt = shared_prefix[:rng.randint(1, 40)]
+        else:
+            prompt = shared_prefix[:rng.randrange(0, 20)] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 20))]
         params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
         seqs[request_id] = Sequence(request_id, prompt, params)
         scheduler.add(seqs[request_id])

@@ -64,13 +64,18 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     """argmax(logits / T + Gumbel noise), the noise of row i drawn from a generator seeded with
     seeds[i]; argmax(logits) where T == 0. Same distribution as the Triton kernel; the random
     streams differ."""
-    greedy = logits.argmax(dim=-1)
-    out = greedy.clone()
-    for row in (temperatures > 0).nonzero().flatten().tolist():
-        generator = torch.Generator(device=logits.device).manual_seed(int(seeds[row]))
-        u = torch.rand(logits.shape[1], generator=generator, device=logits.device, dtype=torch.float64)
-        noisy = logits[row].double() / float(temperatures[row]) - torch.log(-torch.log(u.clamp(max=1 - 2 ** -53)))
-        out[row] = noisy.argmax()
+    out = logits.argmax(dim=-1)
+    rows = (temperatures > 0).nonzero().flatten()
+    if rows.numel() == 0:
+        return out
+    dtype = _compute_dtype(logits)
+    uniforms = torch.stack([
+        torch.rand(logits.shape[1], generator=torch.Generator(device=logits.device).manual_seed(seed),
+                   device=logits.device, dtype=dtype) for seed in seeds[rows].tolist()])
+    # -log(-log(u)), in place; u below 1 by half an ulp so that no noise is +inf
+    gumbel = uniforms.clamp_(max=1 - torch.finfo(dtype).eps / 2).log_().neg_().log_().neg_()
+    noisy = logits[rows].to(dtype) / temperatures[rows, None].to(dtype) + gumbel
+    out[rows] = noisy.argmax(dim=-1)
     return out
 
 

@@ -2,10 +2,10 @@
 schedule -> forward + sample -> record until every request is done."""
 import itertools
 import json
-from collections import deque
 import operator
 import os
 import time
+from collections import deque
 
 from tqdm.auto import tqdm
 

@@ -117,7 +117,8 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
         q_rows, q_rows.stride(0), q_rows.stride(1), k_rows, k_rows.stride(0), k_rows.stride(1),
         v_rows, v_rows.stride(0), v_rows.stride(1), positions, cache, cache.stride(0),
         q_weight.contiguous() if has_norm else cache, k_weight.contiguous() if has_norm else cache, eps,
-        slot_mapping, k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3], q_heads, kv_heads, half, k_cache.shape[1],
+        slot_mapping, k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
+        q_heads, kv_heads, half, k_cache.shape[1],
         HAS_NORM=has_norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
         num_warps=num_warps(2 * block_hq * block_half))
     if q_rows is not q:

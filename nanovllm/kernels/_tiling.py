@@ -29,6 +29,10 @@ def rows_per_program(n_rows: int, row_elements: int, programs_per_row: int = 1) 
     return min(fill, 1 << (spread.bit_length() - 1), next_power_of_2(n_rows))
 
 
-def num_warps(tile_elements: int) -> int:
-    """16 values a thread (two 16-byte vectors of bf16), 1 to 16 warps."""
-    return min(16, max(1, tile_elements // 512))
+def num_warps(tile_elements: int, programs: int) -> int:
+    """16 values a thread (two 16-byte vectors of bf16), 1 to 16 warps; 8 (one vector) when
+    the grid leaves SMs idle (fewer than MIN_PROGRAMS programs: decode sizes), where the call
+    lasts as long as one program's chain of loads and more threads shorten it (H200 sweep,
+    docs/kernels.md: one 1024-element row 1.5 against 1.8 us)."""
+    per_thread = 8 if programs < MIN_PROGRAMS else 16
+    return min(16, max(1, tile_elements // (32 * per_thread)))

@@ -91,7 +91,7 @@ def _launch(kernel, n_rows: int, n_cols: int, *args, **constexprs) -> None:
     col_blocks = cdiv(n_cols, block_c)
     block_r = rows_per_program(n_rows, block_c, col_blocks)
     grid = (cdiv(n_rows, block_r) * col_blocks,)
-    kernel[grid](*args, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps(block_r * block_c), **constexprs)
+    kernel[grid](*args, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps(block_r * block_c, grid[0]), **constexprs)
 
 
 def _act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:

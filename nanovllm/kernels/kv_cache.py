@@ -31,12 +31,13 @@ def _store_kvcache_kernel(key_ptr, key_token_stride, key_head_stride, key_dim_st
                           v_cache_ptr, v_block_stride, v_offset_stride, v_head_stride, v_dim_stride,
                           slot_mapping_ptr, n_rows, kv_heads, head_dim, block_size,
                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows = tl.cast(tl.program_id(0), tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # Divisions in int32 (int64's is a long software routine), products in int64.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
-    tokens, heads = rows // kv_heads, rows % kv_heads
-    slots = tl.load(slot_mapping_ptr + tokens, mask=rows < n_rows, other=-1).to(tl.int64)
+    tokens, heads = (rows // kv_heads).to(tl.int64), (rows % kv_heads).to(tl.int64)
+    slots = tl.load(slot_mapping_ptr + tokens, mask=rows < n_rows, other=-1).to(tl.int32)
     mask = ((rows < n_rows) & (slots >= 0))[:, None] & (cols < head_dim)[None, :]
-    blocks, offsets = slots // block_size, slots % block_size
+    blocks, offsets = (slots // block_size).to(tl.int64), (slots % block_size).to(tl.int64)
     _copy_rows(key_ptr, key_token_stride, key_head_stride, key_dim_stride,
                k_cache_ptr, k_block_stride, k_offset_stride, k_head_stride, k_dim_stride,
                tokens, heads, blocks, offsets, cols, mask)
@@ -52,7 +53,8 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
         return
     block_d = next_power_of_2(head_dim)
     block_r = rows_per_program(n_rows, block_d)
-    _store_kvcache_kernel[(cdiv(n_rows, block_r),)](
+    programs = cdiv(n_rows, block_r)
+    _store_kvcache_kernel[(programs,)](
         key, *key.stride(), value, *value.stride(), k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
         slot_mapping, n_rows, kv_heads, head_dim, k_cache.shape[1],
-        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d))
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d, programs))

@@ -15,18 +15,20 @@ from nanovllm.kernels.launch import fast_launch
 
 @triton.jit
 def _row_offsets(rows, inner, outer_stride, inner_stride):
-    return (rows // inner) * outer_stride + (rows % inner) * inner_stride
+    # rows are int32 (a division by a run-time int64 is a long software routine, the largest
+    # cost of a one-row call); inner == 1, the contiguous case, is specialised and folds away.
+    return (rows // inner).to(tl.int64) * outer_stride + (rows % inner).to(tl.int64) * inner_stride
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["n_rows", "x_inner", "res_inner"])
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, x_inner, x_outer_stride, x_inner_stride,
                      res_ptr, res_inner, res_outer_stride, res_inner_stride,
                      out_ptr, weight_ptr, n_rows, D, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """out = rms_norm(x) into a contiguous out; with HAS_RESIDUAL, the sum x + res goes back
     into res and the normalised sum into x (out_ptr unused)."""
-    rows = tl.cast(tl.program_id(0), tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     x_ptrs = x_ptr + _row_offsets(rows, x_inner, x_outer_stride, x_inner_stride)[:, None] + cols[None, :]
@@ -43,7 +45,7 @@ def _rms_norm_kernel(x_ptr, x_inner, x_outer_stride, x_inner_stride,
     if HAS_RESIDUAL:
         tl.store(x_ptrs, normed.to(x_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptr + rows[:, None] * D + cols[None, :], normed.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_layout(x: torch.Tensor):
@@ -73,9 +75,10 @@ def _launch(x_layout, res_layout, out: torch.Tensor, weight: torch.Tensor, eps: 
     n_rows = out.numel() // d
     block_d = next_power_of_2(d)
     block_r = rows_per_program(n_rows, block_d)
-    _rms_norm_kernel[(cdiv(n_rows, block_r),)](
+    programs = cdiv(n_rows, block_r)
+    _rms_norm_kernel[(programs,)](
         *x_layout, *res_layout, out, weight.contiguous(), n_rows, d, eps,
-        HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d))
+        HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d, programs))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

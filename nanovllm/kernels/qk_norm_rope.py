@@ -91,10 +91,10 @@ def _rotate(x_ptr, token, token_stride, head_stride, heads, positions_ptr, cos_s
 @triton.jit
 def _store_in_cache(cache_ptr, x1, x2, token, slot_mapping_ptr, block_size, block_stride, offset_stride,
                     head_stride, heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int32)  # int32 division: int64's is a long routine
     if slot >= 0:  # -1: a padding row that owns no slot
         # int64: block * block_stride exceeds 2^31 elements in large caches
-        base = (slot // block_size) * block_stride + (slot % block_size) * offset_stride
+        base = (slot // block_size).to(tl.int64) * block_stride + (slot % block_size).to(tl.int64) * offset_stride
         first, second, mask = _head_rows(cache_ptr + base, 0, 0, head_stride, heads, half, BLOCK_H, BLOCK_HALF)
         tl.store(first, x1.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(second, x2.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -120,7 +120,7 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
         slot_mapping, k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
         q_heads, kv_heads, half, k_cache.shape[1],
         HAS_NORM=has_norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        num_warps=num_warps(2 * block_hq * block_half))
+        num_warps=num_warps(2 * block_hq * block_half, 3 * n_tokens))
     if q_rows is not q:
         q.copy_(q_rows)
     return q

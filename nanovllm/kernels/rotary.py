@@ -18,13 +18,13 @@ def _rotate_rows(x_ptr, first_row, n_rows, heads, token_stride, head_stride, dim
     rows = first_row + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (rows < n_rows)[:, None] & (cols < half)[None, :]
-    tokens = rows // heads
+    tokens = (rows // heads).to(tl.int64)
     # the same token's cos/sin row is gathered once per head; the repeats hit L1
     position = tl.load(positions_ptr + tokens, mask=rows < n_rows, other=0).to(tl.int64)
     cos_ptrs = cache_ptr + position[:, None] * cache_stride + cols[None, :]
     cos = tl.load(cos_ptrs, mask=mask).to(tl.float32)
     sin = tl.load(cos_ptrs + half, mask=mask).to(tl.float32)
-    x1_ptrs = x_ptr + (tokens * token_stride + (rows % heads) * head_stride)[:, None] + cols[None, :] * dim_stride
+    x1_ptrs = x_ptr + (tokens * token_stride + (rows % heads).to(tl.int64) * head_stride)[:, None] + cols[None, :] * dim_stride
     x2_ptrs = x1_ptrs + half * dim_stride
     x1 = tl.load(x1_ptrs, mask=mask).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask).to(tl.float32)
@@ -40,13 +40,15 @@ def _rotary_kernel(q_ptr, q_heads, q_token_stride, q_head_stride, q_dim_stride,
                    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Programs [0, q_programs) take q's head rows, the rest k's."""
     pid = tl.program_id(0)
-    q_rows = tl.cast(n_tokens, tl.int64) * q_heads
+    # Head-row indices in int32 (fewer than 2^31 rows): a division by a run-time int64 is a
+    # long software routine.
+    q_rows = n_tokens * q_heads
     q_programs = tl.cdiv(q_rows, BLOCK_R)
     if pid < q_programs:
-        _rotate_rows(q_ptr, tl.cast(pid, tl.int64) * BLOCK_R, q_rows, q_heads, q_token_stride, q_head_stride,
+        _rotate_rows(q_ptr, pid * BLOCK_R, q_rows, q_heads, q_token_stride, q_head_stride,
                      q_dim_stride, positions_ptr, cache_ptr, cache_stride, half, BLOCK_R, BLOCK_HALF)
     else:
-        _rotate_rows(k_ptr, tl.cast(pid - q_programs, tl.int64) * BLOCK_R, tl.cast(n_tokens, tl.int64) * k_heads,
+        _rotate_rows(k_ptr, (pid - q_programs) * BLOCK_R, n_tokens * k_heads,
                      k_heads, k_token_stride, k_head_stride, k_dim_stride,
                      positions_ptr, cache_ptr, cache_stride, half, BLOCK_R, BLOCK_HALF)
 
@@ -64,5 +66,5 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     _rotary_kernel[grid](q, q.shape[1], *q.stride(), k, k.shape[1], *k.stride(),
                          positions, cache, cache.stride(0), n_tokens, half,
                          BLOCK_R=block_r, BLOCK_HALF=block_half,
-                         num_warps=num_warps(2 * block_r * block_half))
+                         num_warps=num_warps(2 * block_r * block_half, grid[0]))
     return q, k

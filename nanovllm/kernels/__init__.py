@@ -194,6 +194,8 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     _require(cu_seqlens_q.shape[0] == seq_lens.shape[0] + 1, "cu_seqlens_q", "must have len(seq_lens) + 1 entries")
     _require(block_tables.shape[0] == seq_lens.shape[0], "block_tables", "must have one row per sequence")
     _require(int(max_seqlen_q) >= 1, "max_seqlen_q", "must be at least 1")
+    # the kernel takes each row's max of unscaled scores, which only a positive scale preserves
+    _require(float(scale) > 0, "scale", lambda: f"must be positive, got {scale}")
     return implementation("paged_attention", q.device)(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables,
         max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal)

@@ -213,6 +213,26 @@ def test_block_table_paths_interpreted(interpreted, nan_empty, num_splits, block
 
 
 @interpret
+@pytest.mark.parametrize("block_size,block_n,head_dim,uses_tma", [(64, 32, 64, True), (32, 32, 32, True),
+                                                                  (16, 32, 64, False), (64, 32, 80, False)])
+def test_tma_key_tiles_interpreted(interpreted, nan_empty, monkeypatch, block_size, block_n, head_dim, uses_tma):
+    """Full key tiles come by TMA descriptor where a tile lies in one cache block and the head
+    dim needs no padding, and are gathered row by row elsewhere; tiles at a sequence's end or a
+    causal limit always are (the NaN of unwritten slots would otherwise reach the output)."""
+    made, real = [], attention._kv_descriptors
+
+    def spy(*args):
+        descriptors = real(*args)
+        made.append(descriptors[0] is not None)
+        return descriptors
+
+    monkeypatch.setattr(attention, "_kv_descriptors", spy)
+    case = make_case(MIXED, (8, 2), head_dim, block_size)
+    check(case, num_splits=1, config=attention.TileConfig(32, block_n, 4, 1, tma=True))
+    assert made == [uses_tma]
+
+
+@interpret
 @pytest.mark.parametrize("splits,merge_tile", [(2, None), (37, None), (37, 512)])
 def test_merge_splits_interpreted(interpreted, monkeypatch, splits, merge_tile):
     """The merge alone: partials weighed by 2^lse, all splits in one tile or (merge_tile 512,
@@ -249,14 +269,25 @@ def test_non_contiguous_q_interpreted(interpreted, nan_empty):
 
 # --- host-side rules (no kernel runs) ---------------------------------------------------------
 
+@pytest.mark.parametrize("field,change", [("scale", {"scale": 0.0}), ("scale", {"scale": -0.1}),
+                                          ("max_seqlen_q", {"max_seqlen_q": 0}),
+                                          ("block_tables", {"block_tables": torch.zeros(1, 3, dtype=torch.int32)})])
+def test_bad_arguments_name_their_field(field, change):
+    case = make_case([(2, 9), (1, 30)], (4, 2), 32)
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        kernels.paged_attention(case.q, case.k_cache, case.v_cache, **(case.kwargs() | change))
+
+
 @pytest.mark.skipif(attention is None, reason="needs Triton")
 def test_split_plan(monkeypatch):
     monkeypatch.setattr(attention, "_multiprocessor_count", lambda device: 132)  # H100, H200
     device = torch.device("cpu")
     assert attention.split_plan(132, 32768, 64, device) == (1, 128)  # a full wave already
-    assert attention.split_plan(8, 32768, 64, device) == (33, 128)  # 1 x 32768, 8 kv heads: 2 programs per SM
-    assert attention.split_plan(8, 4096, 64, device) == (32, 128)  # no split under 128 keys
-    assert attention.split_plan(64, 4096, 64, device) == (5, 128)
+    # 1 x 32768, 8 kv heads: 2 programs per SM (33 splits), rounded down to a power of two
+    assert attention.split_plan(8, 32768, 64, device) == (32, 128)
+    assert attention.split_plan(8, 4000, 64, device) == (32, 128)  # no split under 128 keys
+    assert attention.split_plan(8, 3000, 64, device) == (24, 128)
+    assert attention.split_plan(64, 4096, 64, device) == (4, 128)
     assert attention.split_plan(1, 100, 64, device, num_splits=50) == (2, 64)  # forced: one key tile a split
 
 

@@ -33,6 +33,9 @@ def _rms_norm_kernel(x_ptr, x_inner, x_outer_stride, x_inner_stride,
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     x_ptrs = x_ptr + _row_offsets(rows, x_inner, x_outer_stride, x_inner_stride)[:, None] + cols[None, :]
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    # Issued with x's load: after the row sum, whose cross-warp step ends in a barrier that no
+    # load moves across, it would add a memory round trip to every program.
+    weight = tl.load(weight_ptr + cols, mask=cols < D).to(tl.float32)
     if HAS_RESIDUAL:
         res_ptrs = res_ptr + _row_offsets(rows, res_inner, res_outer_stride, res_inner_stride)[:, None] + cols[None, :]
         summed = (x + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
@@ -40,7 +43,6 @@ def _rms_norm_kernel(x_ptr, x_inner, x_outer_stride, x_inner_stride,
         # normalise the sum as stored, as the unfused add-then-norm would
         x = summed.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    weight = tl.load(weight_ptr + cols, mask=cols < D).to(tl.float32)
     normed = x * inv_rms[:, None] * weight[None, :]
     if HAS_RESIDUAL:
         tl.store(x_ptrs, normed.to(x_ptr.dtype.element_ty), mask=mask)

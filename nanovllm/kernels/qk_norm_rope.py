@@ -27,9 +27,10 @@ def _head_rows(ptr, token, token_stride, head_stride, heads, half, BLOCK_H: tl.c
 @triton.jit
 def _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
     if HAS_NORM:
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * half) + eps)[:, None]
+        # weights before the sums: a load placed after a reduction waits for it (see norm.py)
         w1 = tl.load(weight_ptr + cols, mask=cols < half).to(tl.float32)[None, :]
         w2 = tl.load(weight_ptr + half + cols, mask=cols < half).to(tl.float32)[None, :]
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * half) + eps)[:, None]
         # rounded to the activation dtype, as the unfused norm's output is before rotary reads it
         x1 = (x1 * inv_rms * w1).to(dtype).to(tl.float32)
         x2 = (x2 * inv_rms * w2).to(dtype).to(tl.float32)

@@ -360,7 +360,7 @@ def to_markdown(results: dict) -> str:
         lines += [f"| {r['workload']} | {r['block_size']} | {r['ms']:.4f} | {_metric(r)} |"
                   for r in results["block_size_sweep"]]
         lines += ["", "## Tile sweep (first row of each workload: the default)", "",
-                  "| workload | (block_m, block_n, warps, stages) | ms | TFLOP/s or % of copy bw |",
+                  "| workload | (block_m, block_n, warps, stages, tma) | ms | TFLOP/s or % of copy bw |",
                   "|---|---|---|---|"]
         lines += [f"| {r['workload']} | {tuple(r['tiles'])} | {r['ms']:.4f} | {_metric(r)} |"
                   for r in sorted(results["tile_sweep"], key=lambda r: r["workload"], reverse=True)]

@@ -47,7 +47,8 @@ def _rms_norm_kernel(x_ptr, x_inner, x_outer_stride, x_inner_stride,
     if HAS_RESIDUAL:
         tl.store(x_ptrs, normed.to(x_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], normed.to(out_ptr.dtype.element_ty), mask=mask)
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
+        tl.store(out_ptrs, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_layout(x: torch.Tensor):

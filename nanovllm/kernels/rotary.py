@@ -24,7 +24,8 @@ def _rotate_rows(x_ptr, first_row, n_rows, heads, token_stride, head_stride, dim
     cos_ptrs = cache_ptr + position[:, None] * cache_stride + cols[None, :]
     cos = tl.load(cos_ptrs, mask=mask).to(tl.float32)
     sin = tl.load(cos_ptrs + half, mask=mask).to(tl.float32)
-    x1_ptrs = x_ptr + (tokens * token_stride + (rows % heads).to(tl.int64) * head_stride)[:, None] + cols[None, :] * dim_stride
+    head_rows = tokens * token_stride + (rows % heads).to(tl.int64) * head_stride
+    x1_ptrs = x_ptr + head_rows[:, None] + cols[None, :] * dim_stride
     x2_ptrs = x1_ptrs + half * dim_stride
     x1 = tl.load(x1_ptrs, mask=mask).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask).to(tl.float32)

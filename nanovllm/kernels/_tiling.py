@@ -30,9 +30,9 @@ def rows_per_program(n_rows: int, row_elements: int, programs_per_row: int = 1) 
 
 
 def num_warps(tile_elements: int, programs: int) -> int:
-    """16 values a thread (two 16-byte vectors of bf16), 1 to 16 warps; 8 (one vector) when
-    the grid leaves SMs idle (fewer than MIN_PROGRAMS programs: decode sizes), where the call
-    lasts as long as one program's chain of loads and more threads shorten it (H200 sweep,
-    docs/kernels.md: one 1024-element row 1.5 against 1.8 us)."""
-    per_thread = 8 if programs < MIN_PROGRAMS else 16
+    """16 values a thread (two 16-byte vectors of bf16), 1 to 16 warps; 8 (one vector) for
+    grids of fewer than four programs an SM (decode sizes), where a call lasts about as long
+    as one program's chain of loads and more threads shorten it (H200 sweeps, docs/kernels.md:
+    one 1024-element row 1.5 against 1.8 us; 256 rows of fused_add_rms_norm 2.0 against 2.5)."""
+    per_thread = 8 if programs < 2 * MIN_PROGRAMS else 16
     return min(16, max(1, tile_elements // (32 * per_thread)))

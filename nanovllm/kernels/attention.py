@@ -327,6 +327,12 @@ def _multiprocessor_count(device: torch.device) -> int:
     return 4
 
 
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    # The interpreter (CPU tensors) runs descriptor loads too, so CI covers that path.
+    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
                num_splits: int | None = None) -> tuple[int, int]:
     """(splits, fewest keys per split) from host-known shapes only. The kernel cuts each
@@ -418,10 +424,7 @@ def _kv_descriptors(k_cache, v_cache, config: TileConfig, block_d: int):
     Hopper, key tiles that would span cache blocks, a padded head dim, caches that are not
     one dense array."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    device = k_cache.device
-    # The interpreter (CPU tensors) runs descriptor loads too, so CI covers this path.
-    capable = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
-    if not (config.tma and capable and config.block_n <= block_size and head_dim == block_d
+    if not (config.tma and _has_tma(k_cache.device) and config.block_n <= block_size and head_dim == block_d
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and all(t.data_ptr() % 16 == 0 for t in (k_cache, v_cache))
             and num_kv_heads * head_dim * k_cache.element_size() % 16 == 0):

@@ -61,14 +61,19 @@ def _load_rows(ptrs, row_mask, d_mask, MASK_ROWS: tl.constexpr, MASK_D: tl.const
 
 
 @triton.jit
+def _tile_block(block_table_row, start, stride_btc, BLOCK_SIZE: tl.constexpr):
+    """Block id of a key tile that lies in one cache block (BLOCK_N <= BLOCK_SIZE): tiles start
+    at multiples of BLOCK_N, which divides BLOCK_SIZE, so it is that of the tile's first key,
+    which is below `hi` and so owned by the sequence. One scalar load, not BLOCK_N."""
+    return tl.load(block_table_row + (start // BLOCK_SIZE) * stride_btc)
+
+
+@triton.jit
 def _kv_rows(block_table_row, start, offs_n, in_range, stride_btc, stride_kb, stride_kt, stride_vb, stride_vt,
              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Offsets of keys start + offs_n in the K and V caches."""
     if BLOCK_N <= BLOCK_SIZE:
-        # Tiles start at multiples of BLOCK_N, which divides BLOCK_SIZE, so a tile lies in one
-        # cache block: that of its first key, which is below `hi` and so owned by the sequence.
-        # One scalar load, not BLOCK_N.
-        block = tl.load(block_table_row + (start // BLOCK_SIZE) * stride_btc).to(tl.int64)
+        block = _tile_block(block_table_row, start, stride_btc, BLOCK_SIZE).to(tl.int64)
         slot = start % BLOCK_SIZE + offs_n
     else:
         # Keys at or past `hi` read no block-table entry: padding entries may be garbage.
@@ -95,8 +100,7 @@ def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv
         # The whole tile is keys the sequence wrote, consecutive rows of one cache block: a bulk
         # tensor copy each for K and V, no per-row addresses. (Masked tiles may reach unwritten
         # rows, whose garbage V, even times p = 0, could be NaN: they keep masked loads.)
-        block = tl.load(block_table_row + (start // BLOCK_SIZE) * stride_btc)
-        cache_row = block * BLOCK_SIZE + start % BLOCK_SIZE
+        cache_row = _tile_block(block_table_row, start, stride_btc, BLOCK_SIZE) * BLOCK_SIZE + start % BLOCK_SIZE
         k = k_desc.load([cache_row, kv_col])
         v = v_desc.load([cache_row, kv_col])
     else:

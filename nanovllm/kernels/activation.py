@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
-from nanovllm.kernels.launch import fast_launch
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 _MAX_BLOCK_C = 1024  # divides the real hidden sizes (1024..8192, 3072) without a ragged tail
 
@@ -46,7 +46,8 @@ def _activate(x, ACTIVATION: tl.constexpr):
 @fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _act_and_mul_kernel(x_ptr, out_ptr, n_rows, d, x_row_stride,
-                        ACTIVATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                        ACTIVATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     rows, cols, mask = _tile(tl.program_id(0), n_rows, d, BLOCK_R, BLOCK_C)
     gate_ptrs = x_ptr + rows[:, None] * x_row_stride + cols[None, :]
     gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
@@ -58,7 +59,8 @@ def _act_and_mul_kernel(x_ptr, out_ptr, n_rows, d, x_row_stride,
 @fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _add_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_rows, n_cols, x_row_stride,
-                     APPROXIMATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                     APPROXIMATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_R, BLOCK_C)
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask).to(tl.float32)
     bias = tl.load(bias_ptr + cols, mask=cols < n_cols).to(tl.float32)
@@ -69,7 +71,8 @@ def _add_gelu_kernel(x_ptr, bias_ptr, out_ptr, n_rows, n_cols, x_row_stride,
 @fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _mul_add_kernel(a_ptr, b_ptr, c_ptr, out_ptr, n_rows, n_cols, a_row_stride, b_row_stride, c_row_stride,
-                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_R, BLOCK_C)
     a = tl.load(a_ptr + rows[:, None] * a_row_stride + cols[None, :], mask=mask).to(tl.float32)
     b = tl.load(b_ptr + rows[:, None] * b_row_stride + cols[None, :], mask=mask).to(tl.float32)
@@ -91,7 +94,8 @@ def _launch(kernel, n_rows: int, n_cols: int, *args, **constexprs) -> None:
     col_blocks = cdiv(n_cols, block_c)
     block_r = rows_per_program(n_rows, block_c, col_blocks)
     grid = (cdiv(n_rows, block_r) * col_blocks,)
-    kernel[grid](*args, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps(block_r * block_c, grid[0]), **constexprs)
+    kernel[grid](*args, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps(block_r * block_c, grid[0]),
+                 **dependent_launch(args[0].get_device()), **constexprs)
 
 
 def _act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:

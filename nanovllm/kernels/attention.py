@@ -12,7 +12,7 @@ from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels._tiling import cdiv, next_power_of_2
-from nanovllm.kernels.launch import fast_launch
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 _LOG2E = 1.4426950408889634
 # Splitting aims at this many working programs per SM: one program's loads in flight while
@@ -164,12 +164,13 @@ def _paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, query tile, KV split). Its BLOCK_M rows are (query row,
     query head) pairs of the GQA group of one kv head, row-major, so each K/V tile loaded
     serves the whole group. Without SPLIT it writes the output; with SPLIT, the normalised
     partial output and its log2-sum-exp for _merge_splits_kernel."""
+    await_previous_kernel(PDL)
     pair, tile = _pair_and_tile(PAIRS_PER_GROUP)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -261,11 +262,12 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_ot, stride_oh, stride_od,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+                         BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """out[token, head] = sum_s 2^(lse_s - lse) * partial_s, lse = log2 sum_s 2^lse_s. Splits
     come BLOCK_S at a time, each chunk as one tile of independent loads: with BLOCK_S at least
-    the split count (the usual case) the loop runs once, and its latency is that of two
-    dependent loads (lse, then partials), whatever the number of splits."""
+    the split count (the usual case) the loop runs once, and its latency is that of one round
+    of loads (lse and partials together), whatever the number of splits."""
+    await_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     first = (token * NUM_HEADS + head) * num_splits
@@ -279,14 +281,16 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_ot, s
     acc = tl.zeros([BLOCK_D], tl.float32)
     for chunk in tl.range(0, num_splits, BLOCK_S):
         split = chunk + offs_s
-        lse = tl.load(lse_ptr + first + split, mask=split < num_splits, other=float("-inf"))
+        in_range = split < num_splits
+        lse = tl.load(lse_ptr + first + split, mask=in_range, other=float("-inf"))
+        # Loaded with the lse values, not after them: one memory round trip, not two. A split
+        # that saw no key may have left its partial unwritten (garbage, NaN even): it weighs 0
+        # and is selected away below, never multiplied.
+        partial = tl.load(partial_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :],
+                          mask=in_range[:, None] & d_mask[None, :], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
         weight = tl.math.exp2(lse - m_new)
-        # Splits that weigh 0 add nothing, and one that saw no key may have left its partial
-        # unwritten (garbage, NaN even): never read those.
-        live = weight > 0.0
-        partial = tl.load(partial_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :],
-                          mask=live[:, None] & d_mask[None, :], other=0.0)
+        partial = tl.where((weight > 0.0)[:, None], partial, 0.0)
         alpha = tl.math.exp2(m - m_new)
         acc = acc * alpha + tl.sum(weight[:, None] * partial, 0)
         weight_sum = weight_sum * alpha + tl.sum(weight, 0)
@@ -399,7 +403,7 @@ def _merge_splits(partial, lse, out, block_d: int) -> None:
     num_warps = max(1, block_s * block_d // (32 * _MERGE_PER_THREAD))
     _merge_splits_kernel[(num_tokens, num_heads)](
         partial, lse, out, splits, *out.stride(), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=block_s, num_warps=num_warps)
+        BLOCK_S=block_s, num_warps=num_warps, **dependent_launch(out.get_device()))
 
 
 def _with_fallback(launch, config: TileConfig, out, lse, split: bool, shape_class: tuple) -> None:
@@ -451,4 +455,4 @@ def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=k_cache.shape[1],
         CAUSAL=bool(causal), SPLIT=split, USE_TMA=k_desc is not None, PAIRS_PER_GROUP=PAIRS_PER_GROUP,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.get_device()))

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
-from nanovllm.kernels.launch import fast_launch
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 
 @triton.jit
@@ -30,7 +30,8 @@ def _store_kvcache_kernel(key_ptr, key_token_stride, key_head_stride, key_dim_st
                           k_cache_ptr, k_block_stride, k_offset_stride, k_head_stride, k_dim_stride,
                           v_cache_ptr, v_block_stride, v_offset_stride, v_head_stride, v_dim_stride,
                           slot_mapping_ptr, n_rows, kv_heads, head_dim, block_size,
-                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     # Divisions in int32 (int64's is a long software routine), products in int64.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -57,4 +58,5 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
     _store_kvcache_kernel[(programs,)](
         key, *key.stride(), value, *value.stride(), k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
         slot_mapping, n_rows, kv_heads, head_dim, k_cache.shape[1],
-        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d, programs))
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d, programs),
+        **dependent_launch(key.get_device()))

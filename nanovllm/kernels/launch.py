@@ -17,11 +17,19 @@ capture as Triton's do. Not re-checked after the first call: the values of globa
 kernel reads (ours take their constants as arguments).
 
 Under TRITON_INTERPRET=1 `triton.jit` returns no JITFunction and the kernel is left as it is.
-NANOVLLM_FAST_LAUNCH=0 (or `launch.enabled = False`) sends every launch through Triton's path."""
+NANOVLLM_FAST_LAUNCH=0 (or `launch.enabled = False`) sends every launch through Triton's path.
+
+Programmatic dependent launch (Hopper and later): every kernel of the package starts with
+`await_previous_kernel` and is launched with `launch_pdl`, so the GPU schedules its programs
+while the kernel before it in the stream is still running, and they start work the moment
+that kernel's results are visible, instead of after a full launch round trip.
+NANOVLLM_PDL=0 turns it off."""
 import functools
 import os
 
+import torch
 import triton
+import triton.language as tl
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
@@ -29,6 +37,32 @@ enabled = os.environ.get("NANOVLLM_FAST_LAUNCH", "1") != "0"
 # The internals used here (JITFunction.device_caches and its binder, the arguments of
 # CompiledKernel.run, triton.knobs) are Triton 3.6's; other versions keep Triton's own path.
 SUPPORTED = triton.__version__.startswith("3.6.")
+dependent_launch_enabled = os.environ.get("NANOVLLM_PDL", "1") != "0"
+_dependent_launch: dict[int, dict] = {}
+
+
+def dependent_launch(device_index: int) -> dict:
+    """Launch arguments for a kernel whose tensors are on `device_index` (Tensor.get_device():
+    -1 for the CPU, hence the interpreter): its PDL constexpr and Triton's launch_pdl option,
+    on for GPUs of compute capability 9 and later. Cached: this runs on every launch."""
+    options = _dependent_launch.get(device_index)
+    if options is None:
+        on = (dependent_launch_enabled and device_index >= 0
+              and torch.cuda.get_device_capability(device_index)[0] >= 9)
+        options = _dependent_launch[device_index] = {"PDL": on, "launch_pdl": on}
+    return options
+
+
+@triton.jit
+def await_previous_kernel(PDL: tl.constexpr):
+    """The first statement of every kernel here. Waits until the kernel before it in the
+    stream has finished and its writes are visible (nothing is read before that), then lets
+    the kernel after it be scheduled: its programs wait here in turn, so no kernel ever reads
+    its predecessor's unfinished output. Kernels without PDL (cuBLAS, PyTorch's) neither
+    signal early nor start early, and order with these as usual."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def fast_launch(kernel):

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
-from nanovllm.kernels.launch import fast_launch
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 
 @triton.jit
@@ -25,9 +25,10 @@ def _row_offsets(rows, inner, outer_stride, inner_stride):
 def _rms_norm_kernel(x_ptr, x_inner, x_outer_stride, x_inner_stride,
                      res_ptr, res_inner, res_outer_stride, res_inner_stride,
                      out_ptr, weight_ptr, n_rows, D, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out = rms_norm(x) into a contiguous out; with HAS_RESIDUAL, the sum x + res goes back
     into res and the normalised sum into x (out_ptr unused)."""
+    await_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -81,7 +82,8 @@ def _launch(x_layout, res_layout, out: torch.Tensor, weight: torch.Tensor, eps: 
     programs = cdiv(n_rows, block_r)
     _rms_norm_kernel[(programs,)](
         *x_layout, *res_layout, out, weight.contiguous(), n_rows, d, eps,
-        HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d, programs))
+        HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps(block_r * block_d, programs),
+        **dependent_launch(out.get_device()))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._tiling import next_power_of_2, num_warps
-from nanovllm.kernels.launch import fast_launch
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 
 @triton.jit
@@ -45,7 +45,9 @@ def _qk_norm_rope_store_kernel(
     q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, kc_block_stride, kc_offset_stride, kc_head_stride,
     v_cache_ptr, vc_block_stride, vc_offset_stride, vc_head_stride, q_heads, kv_heads, half, block_size,
     HAS_NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_previous_kernel(PDL)
     # Each part in its own function: q and k tiles differ in shape, and values defined in one
     # branch of an `if` must match those of the other.
     token = tl.cast(tl.program_id(0), tl.int64)
@@ -121,7 +123,7 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
         slot_mapping, k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
         q_heads, kv_heads, half, k_cache.shape[1],
         HAS_NORM=has_norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        num_warps=num_warps(2 * block_hq * block_half, 3 * n_tokens))
+        num_warps=num_warps(2 * block_hq * block_half, 3 * n_tokens), **dependent_launch(q.get_device()))
     if q_rows is not q:
         q.copy_(q_rows)
     return q

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
-from nanovllm.kernels.launch import fast_launch
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 
 @triton.jit
@@ -38,8 +38,9 @@ def _rotate_rows(x_ptr, first_row, n_rows, heads, token_stride, head_stride, dim
 def _rotary_kernel(q_ptr, q_heads, q_token_stride, q_head_stride, q_dim_stride,
                    k_ptr, k_heads, k_token_stride, k_head_stride, k_dim_stride,
                    positions_ptr, cache_ptr, cache_stride, n_tokens, half,
-                   BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, q_programs) take q's head rows, the rest k's."""
+    await_previous_kernel(PDL)
     pid = tl.program_id(0)
     # Head-row indices in int32 (fewer than 2^31 rows): a division by a run-time int64 is a
     # long software routine.
@@ -67,5 +68,5 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     _rotary_kernel[grid](q, q.shape[1], *q.stride(), k, k.shape[1], *k.stride(),
                          positions, cache, cache.stride(0), n_tokens, half,
                          BLOCK_R=block_r, BLOCK_HALF=block_half,
-                         num_warps=num_warps(2 * block_r * block_half, grid[0]))
+                         num_warps=num_warps(2 * block_r * block_half, grid[0]), **dependent_launch(q.get_device()))
     return q, k

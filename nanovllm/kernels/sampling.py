@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._tiling import cdiv, next_power_of_2
-from nanovllm.kernels.launch import fast_launch
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 _BLOCK = 256  # tokens per Philox output stream and step: 4 * 256 per step
 _CHUNK = 4096  # tokens per program
@@ -35,10 +35,11 @@ def _keep_best(best, best_index, x, cols):
 @fast_launch
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, best_ptr, index_ptr,
-                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, U_MAX: tl.constexpr):
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, U_MAX: tl.constexpr, PDL: tl.constexpr):
     """Each step covers 4 * BLOCK tokens with one Philox call per 4 tokens (tl.rand4x): its four
     outputs, drawn at counter o, serve the tokens o, o + BLOCK, o + 2 BLOCK, o + 3 BLOCK of the
     step. One tl.rand per token would spend three quarters of the generator's work."""
+    await_previous_kernel(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row).to(tl.float32)
     seed = tl.load(seeds_ptr + row)
@@ -71,6 +72,7 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     # int64 so that the token ids come out without a conversion (an eager op, microseconds of host time)
     index = torch.empty(num_rows, chunks, dtype=torch.int64, device=rows.device)
     _gumbel_argmax_kernel[(num_rows, chunks)](rows, rows.stride(0), vocab, temperatures, seeds, best, index,
-                                              CHUNK=chunk, BLOCK=min(_BLOCK, chunk // 4), U_MAX=_U_MAX, num_warps=4)
+                                              CHUNK=chunk, BLOCK=min(_BLOCK, chunk // 4), U_MAX=_U_MAX, num_warps=4,
+                                              **dependent_launch(rows.get_device()))
     # argmax picks the first best chunk, whose index is that chunk's first best token
     return index.gather(1, best.argmax(dim=1, keepdim=True)).view(-1)

@@ -272,3 +272,55 @@ def test_fast_launches_match_triton_s_own_bitwise(offset, monkeypatch):
             outputs.append(case())
         for out in outputs[1:]:
             assert all(torch.equal(a, b) for a, b in zip(outputs[0], out)), name
+
+
+# Programmatic dependent launch (launch.dependent_launch, launch.await_previous_kernel).
+
+def test_dependent_launch_is_off_on_the_cpu_and_when_switched_off(monkeypatch):
+    monkeypatch.setattr(launch, "_dependent_launch", {})
+    assert launch.dependent_launch(-1) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(launch, "dependent_launch_enabled", False)
+    assert launch.dependent_launch(0) == {"PDL": False, "launch_pdl": False}  # no GPU is asked
+
+
+def _dependent_chain(x, weights, ops=kernels):
+    """Kernels that each read all of the one before's output, as a decoder layer's do. The
+    second norm reads its rows in transposed order, so its first programs need rows that the
+    first norm's last programs write: a read before the wait would see the previous replay's."""
+    h = ops.rms_norm(x, weights[0], 1e-6)
+    h = ops.rms_norm(h.view(64, 64, -1).transpose(0, 1), weights[0], 1e-6)
+    h = ops.silu_and_mul(h.reshape(x.shape[0], -1))  # a view: the norm's output is contiguous
+    h, residual = ops.fused_add_rms_norm(h, x[:, : h.shape[1]].clone(), weights[1], 1e-6)
+    return ops.fused_add_gelu(h, residual[0], "tanh")
+
+
+@pytest.mark.gpu
+def test_dependent_launches_in_a_graph_see_their_predecessor_s_output(monkeypatch):
+    """With PDL a kernel's programs are scheduled while the kernel before it still runs; had one
+    read before await_previous_kernel's wait, it would see stale data. 32 MiB calls make that
+    window wide. Replays on fresh inputs must equal, bit for bit, the chain without PDL."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9")
+    assert launch.dependent_launch(torch.cuda.current_device())["launch_pdl"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen) for n in (4096, 2048)]
+    static_x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    _dependent_chain(static_x, weights)  # compiles outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _dependent_chain(static_x, weights)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = _dependent_chain(static_x, weights)
+    inputs = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    replayed = []
+    for x in inputs:
+        static_x.copy_(x)
+        graph.replay()
+        replayed.append(static_out.clone())
+    monkeypatch.setattr(launch, "_dependent_launch", {})
+    monkeypatch.setattr(launch, "dependent_launch_enabled", False)
+    for x, out in zip(inputs, replayed):
+        assert torch.equal(out, _dependent_chain(x, weights))

@@ -70,8 +70,8 @@ def tiling(module, rows: float | None = None, warps: int | None = None, cols: in
         used.update(R=r, C=row_elements)
         return r
 
-    def num_warps(tile, programs):
-        w = warps if warps is not None else saved["num_warps"](tile, programs)
+    def num_warps(tile, programs, *rest):
+        w = warps if warps is not None else saved["num_warps"](tile, programs, *rest)
         used.update(W=w, tile=tile)
         return w
 

@@ -21,18 +21,20 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def rows_per_program(n_rows: int, row_elements: int, programs_per_row: int = 1) -> int:
-    """A power of two: rows enough to fill TILE_ELEMENTS, fewer while the grid would drop
+def rows_per_program(n_rows: int, row_elements: int, programs_per_row: int = 1,
+                     tile_elements: int = TILE_ELEMENTS) -> int:
+    """A power of two: rows enough to fill `tile_elements`, fewer while the grid would drop
     under MIN_PROGRAMS, and never more than the rows there are."""
     spread = max(1, n_rows * programs_per_row // MIN_PROGRAMS)
-    fill = max(1, TILE_ELEMENTS // row_elements)
+    fill = max(1, tile_elements // row_elements)
     return min(fill, 1 << (spread.bit_length() - 1), next_power_of_2(n_rows))
 
 
-def num_warps(tile_elements: int, programs: int) -> int:
-    """16 values a thread (two 16-byte vectors of bf16), 1 to 16 warps; 8 (one vector) for
-    grids of fewer than four programs an SM (decode sizes), where a call lasts about as long
-    as one program's chain of loads and more threads shorten it (H200 sweeps, docs/kernels.md:
-    one 1024-element row 1.5 against 1.8 us; 256 rows of fused_add_rms_norm 2.0 against 2.5)."""
-    per_thread = 8 if programs < 2 * MIN_PROGRAMS else 16
+def num_warps(tile_elements: int, programs: int, per_thread: int = 16) -> int:
+    """`per_thread` values a thread (16: two 16-byte vectors of bf16), 1 to 16 warps; 8 (one
+    vector) for grids of fewer than four programs an SM (decode sizes), where a call lasts
+    about as long as one program's chain of loads and more threads shorten it (H200 sweeps,
+    docs/kernels.md: one 1024-element row 1.5 against 1.8 us; 256 rows of fused_add_rms_norm
+    2.0 against 2.5)."""
+    per_thread = 8 if programs < 2 * MIN_PROGRAMS else per_thread
     return min(16, max(1, tile_elements // (32 * per_thread)))

@@ -55,11 +55,12 @@ def dependent_launch(device_index: int) -> dict:
 
 @triton.jit
 def await_previous_kernel(PDL: tl.constexpr):
-    """The first statement of every kernel here. Waits until the kernel before it in the
-    stream has finished and its writes are visible (nothing is read before that), then lets
-    the kernel after it be scheduled: its programs wait here in turn, so no kernel ever reads
-    its predecessor's unfinished output. Kernels without PDL (cuBLAS, PyTorch's) neither
-    signal early nor start early, and order with these as usual."""
+    """The first statement of every kernel here (paged attention's first after reading its
+    step metadata, which no kernel of this package writes). Waits until the kernel before it
+    in the stream has finished and its writes are visible, then lets the kernel after it be
+    scheduled: its programs wait here in turn, so no kernel reads its predecessor's
+    unfinished output. Kernels without PDL (cuBLAS, PyTorch's) neither signal early nor start
+    early, and order with these as usual."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

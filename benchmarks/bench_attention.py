@@ -277,7 +277,7 @@ class Bench:
 
     def default_config(self, w: dict):
         return self.attention.default_config(HEAD_DIM, HEADS[0] // HEADS[1], w["max_seqlen_q"],
-                                             w["k_cache"].dtype, self.device)
+                                             w["k_cache"].dtype, self.device, block_size=w["k_cache"].shape[1])
 
     def block_size_sweep(self) -> list[dict]:
         rows = []

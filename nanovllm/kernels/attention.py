@@ -305,20 +305,25 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_ot, s
 
 
 def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dtype,
-                   device: torch.device, split: bool = False) -> TileConfig:
+                   device: torch.device, split: bool = False, block_size: int = 0) -> TileConfig:
     """Tiles for H100/H200, checked there for shared memory and register spills. Decode steps
     (max_seqlen_q == 1) are bandwidth bound: the smallest M that tl.dot takes. Longer queries
     are compute bound: M of 128 for the tensor cores. `split`: the grid is split (see
-    split_plan), so at most about two programs share an SM."""
+    split_plan), so at most about two programs share an SM. `block_size`: the KV cache's."""
     block_d = _padded_head_dim(head_dim)
     if dtype == torch.float32 and device.type == "cuda":
         return TileConfig(16, 16, 4, 2)  # exact fp32 dots hold their operands in registers
     if max_seqlen_q == 1:
-        # A split grid has room on each SM for the shared memory of 5 stages (1 x 32768: 76% of
-        # copy bandwidth against 70% with 3); an unsplit one needs its programs two an SM, which
-        # 5 stages would halve (64 x 1000: 83% against 96%; H200, docs/attention.md).
+        block_m = max(16, next_power_of_2(group))
+        if split and block_d <= 128 and block_size >= 128:
+            # A split grid has room on each SM for deep pipelines: key tiles of 128 by TMA,
+            # 4 stages (1 x 32768: 38.0 against 38.9 us with the gathered 64-key tiles below).
+            return TileConfig(block_m, 128, 4, 4, tma=True)
+        # Split: 5 stages (1 x 32768: 76% of copy bandwidth against 70% with 3). Unsplit grids
+        # need their programs two an SM, which 5 stages would halve (64 x 1000: 83% against
+        # 96%; H200, docs/attention.md).
         stages = 5 if split and block_d <= 128 else 3
-        return TileConfig(max(16, next_power_of_2(group)), 64 if block_d <= 128 else 32, 4, stages)
+        return TileConfig(block_m, 64 if block_d <= 128 else 32, 4, stages)
     if block_d <= 64:
         return TileConfig(128, 64, 4, 3, tma=True)
     if block_d <= 128:
@@ -375,7 +380,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
     forced_config = config
-    config = config or default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device)
+    config = config or default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, block_size=block_size)
     q_tiles = cdiv(max_seqlen_q * group, config.block_m)
     if q_tiles > _MAX_GRID_YZ:
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} query rows need {q_tiles} tiles, over the grid limit")
@@ -383,7 +388,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     max_kv = block_tables.shape[1] * block_size
     splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
     if forced_config is None and splits > 1:  # same tiles, maybe a deeper pipeline
-        config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, split=True)
+        config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, True, block_size)
     block_d = _padded_head_dim(head_dim)
     launch = functools.partial(
         _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal,

@@ -213,6 +213,14 @@ def test_block_table_paths_interpreted(interpreted, nan_empty, num_splits, block
 
 
 @interpret
+def test_split_decode_with_tma_key_tiles_interpreted(interpreted, nan_empty):
+    """The split decode tiles over blocks of 128 keys: 128-key TMA tiles in each split, the
+    splits' ragged ends gathered, empty splits skipped by the merge."""
+    case = make_case([(1, 700), (1, 130), (1, 1)], (4, 2), 64, block_size=128, spare_columns=3)
+    check(case, num_splits=4, config=attention.TileConfig(16, 128, 4, 1, tma=True))
+
+
+@interpret
 @pytest.mark.parametrize("block_size,block_n,head_dim,uses_tma", [(64, 32, 64, True), (32, 32, 32, True),
                                                                   (16, 32, 64, False), (64, 32, 80, False)])
 def test_tma_key_tiles_interpreted(interpreted, nan_empty, monkeypatch, block_size, block_n, head_dim, uses_tma):
@@ -443,8 +451,12 @@ def test_new_token_counts_do_not_recompile_gpu():
 
 @pytest.mark.skipif(attention is None, reason="needs Triton")
 def test_split_decode_grids_pipeline_deeper():
-    """Split decode grids leave shared memory for 5 stages; unsplit ones keep 3 (occupancy)."""
+    """Split decode grids leave shared memory for 5 stages, or 128-key TMA tiles over cache
+    blocks of 128 keys or more; unsplit ones keep 3 stages (occupancy)."""
     cuda = torch.device("cuda")
     assert attention.default_config(128, 2, 1, torch.bfloat16, cuda).num_stages == 3
     assert attention.default_config(128, 2, 1, torch.bfloat16, cuda, split=True).num_stages == 5
     assert attention.default_config(256, 2, 1, torch.bfloat16, cuda, split=True).num_stages == 3
+    tma_tiles = attention.TileConfig(16, 128, 4, 4, tma=True)
+    assert attention.default_config(128, 2, 1, torch.bfloat16, cuda, True, 128) == tma_tiles
+    assert attention.default_config(128, 2, 1, torch.bfloat16, cuda, True, 64).block_n == 64

@@ -343,7 +343,7 @@ def to_markdown(results: dict) -> str:
     lines += ["## Decode", "", "| workload | splits | ms | floor ms | GB/s | of copy bw | gather+SDPA ms | speed-up |",
               "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {d['workload']} | {d['splits']} | {d['ms']:.4f} | {d['floor_ms']:.4f} | {d['GBps']:.0f} | "
-              f"{d['bandwidth_fraction']:.0%} | {d['torch_gather_sdpa_ms']:.4f} | {d['speed_vs_torch']:.1f}x |"
+              f"{d['bandwidth_fraction']:.0%} | {d['torch_gather_sdpa_ms']:.4f} | {d['speed_vs_torch']:.2f}x |"
               for d in results["decode"]]
     lines += ["", f"Targets: >= {TARGETS['decode_bandwidth_fraction']:.0%} of copy bandwidth, "
               f">= {TARGETS['decode_vs_torch']}x gather+SDPA.", ""]

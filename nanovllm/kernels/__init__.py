@@ -188,6 +188,10 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     _require_like(v_cache, k_cache, "v_cache", "k_cache")
     _require(k_cache.shape[3] == q.shape[2], "k_cache", "head_dim differs from q's")
     _require(q.shape[1] % k_cache.shape[2] == 0, "q", "query heads must be a multiple of the cache's kv heads")
+    # key tiles start at multiples of their width, which must divide the block to stay inside it
+    block_size = k_cache.shape[1]
+    _require(block_size > 0 and block_size & (block_size - 1) == 0, "k_cache",
+             lambda: f"block size (dim 1) must be a power of two, got {block_size}")
     _require_index(cu_seqlens_q, "cu_seqlens_q", 1)
     _require_index(seq_lens, "seq_lens", 1)
     _require_index(block_tables, "block_tables", 2)

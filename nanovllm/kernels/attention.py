@@ -22,11 +22,10 @@ _PROGRAMS_PER_SM = 2
 # Fewest keys per split (two decode key tiles), so that a short sequence does not spread over
 # programs that each load a tile or two.
 _MIN_PARTITION = 128
-# A merge tile (splits x head dim, fp32) holds at most _MERGE_TILE elements, _MERGE_PER_THREAD
-# per thread: registers, no spills. 128 a thread makes 32 splits of head dim 128 one warp's,
-# every split of a column in one thread: the sums over splits need no cross-warp step (H200,
-# 1 x 32768: 39.2 against 40.6 us with 4 warps; 1 x 640: 7.4 against 8.7 us).
-_MERGE_TILE = 4096
+# The merge runs one warp a (token, head), each thread holding _MERGE_PER_THREAD fp32 values
+# of a (splits x head dim) tile: 32 splits of head dim 128, every split of a column in one
+# thread, so the sums over splits need no step across warps (H200, 1 x 32768: 39.2 against
+# 40.6 us with a 4-warp tile; 1 x 640: 7.4 against 8.7 us). More splits come a tile at a time.
 _MERGE_PER_THREAD = 128
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 # Sequence x kv-head pairs whose query tiles run together (_pair_and_tile): 4 pairs of 2048
@@ -182,9 +181,11 @@ def _paged_attention_kernel(
     q_end = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     q_len = q_end - q_start
+    # Before the exit: were every program to leave without waiting, the kernel could finish
+    # ahead of its predecessor and release the next kernel too early.
+    await_previous_kernel(PDL)
     if tile * BLOCK_M >= q_len * GROUP:
         return
-    await_previous_kernel(PDL)
 
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row = offs_m // GROUP
@@ -315,7 +316,7 @@ def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dt
         return TileConfig(16, 16, 4, 2)  # exact fp32 dots hold their operands in registers
     if max_seqlen_q == 1:
         block_m = max(16, next_power_of_2(group))
-        if split and block_d <= 128 and block_size >= 128:
+        if split and block_d <= 128 and block_size >= 128 and block_size % 128 == 0:
             # A split grid has room on each SM for deep pipelines: key tiles of 128 by TMA,
             # 4 stages (1 x 32768: 38.0 against 38.9 us with the gathered 64-key tiles below).
             return TileConfig(block_m, 128, 4, 4, tma=True)
@@ -357,8 +358,9 @@ def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
     block_n (its key tiles rely on starting at multiples of BLOCK_N). Splits only when the
     unsplit grid fills less than one wave, then aims at _PROGRAMS_PER_SM programs per SM,
     rounded down to a power of two so that the merge loads whole tiles of splits (1 x 32768 on
-    8 kv heads: 32 splits, not 33, whose merge takes a 64-split tile: 4.1 against 2.9 us on
-    an H200). A forced `num_splits` (tests, benchmarks) may cut as fine as one key tile."""
+    8 kv heads: 32 splits, not 33, whose merge took a 64-split tile: 4.1 against 2.9 us on
+    an H200 in the third session). A forced `num_splits` (tests, benchmarks) may cut as fine
+    as one key tile."""
     min_partition = block_n
     if num_splits is None:
         sms = _multiprocessor_count(device)
@@ -387,8 +389,10 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     programs = num_seqs * num_kv_heads * q_tiles
     max_kv = block_tables.shape[1] * block_size
     splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
-    if forced_config is None and splits > 1:  # same tiles, maybe a deeper pipeline
+    if forced_config is None and splits > 1:  # a deeper pipeline, maybe wider key tiles
         config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, True, block_size)
+        # partitions are multiples of the key tile the kernel runs
+        splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
     block_d = _padded_head_dim(head_dim)
     launch = functools.partial(
         _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal,
@@ -407,12 +411,11 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
 def _merge_splits(partial, lse, out, block_d: int) -> None:
     num_tokens, num_heads, splits, head_dim = partial.shape
     # A power of two (one compiled variant per doubling of the split count), all splits at
-    # once unless the tile would pass _MERGE_TILE.
-    block_s = min(next_power_of_2(splits), _MERGE_TILE // block_d)
-    num_warps = max(1, block_s * block_d // (32 * _MERGE_PER_THREAD))
+    # once unless they pass one warp's tile.
+    block_s = min(next_power_of_2(splits), max(1, 32 * _MERGE_PER_THREAD // block_d))
     _merge_splits_kernel[(num_tokens, num_heads)](
         partial, lse, out, splits, *out.stride(), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=block_s, num_warps=num_warps, **dependent_launch(out.get_device()))
+        BLOCK_S=block_s, num_warps=1, **dependent_launch(out.get_device()))
 
 
 def _with_fallback(launch, config: TileConfig, out, lse, split: bool, shape_class: tuple) -> None:

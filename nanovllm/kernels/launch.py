@@ -42,12 +42,13 @@ _dependent_launch: dict[int, dict] = {}
 
 
 def dependent_launch(device_index: int) -> dict:
-    """Launch arguments for a kernel whose tensors are on `device_index` (Tensor.get_device():
-    -1 for the CPU, hence the interpreter): its PDL constexpr and Triton's launch_pdl option,
-    on for GPUs of compute capability 9 and later. Cached: this runs on every launch."""
+    """Launch arguments for a kernel whose tensors are on `device_index` (Tensor.get_device(),
+    -1 for the CPU): its PDL constexpr and Triton's launch_pdl option, on for GPUs of compute
+    capability 9 and later, off under TRITON_INTERPRET=1 (the interpreter runs no inline PTX,
+    whatever the tensors' device). Cached: this runs on every launch."""
     options = _dependent_launch.get(device_index)
     if options is None:
-        on = (dependent_launch_enabled and device_index >= 0
+        on = (dependent_launch_enabled and device_index >= 0 and os.environ.get("TRITON_INTERPRET", "0") != "1"
               and torch.cuda.get_device_capability(device_index)[0] >= 9)
         options = _dependent_launch[device_index] = {"PDL": on, "launch_pdl": on}
     return options

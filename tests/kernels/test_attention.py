@@ -189,13 +189,13 @@ def test_auto_split_interpreted(interpreted, nan_empty):
 
 
 @interpret
-@pytest.mark.parametrize("merge_tile", [None, 256])
-def test_decode_padded_table_interpreted(interpreted, nan_empty, monkeypatch, merge_tile):
+@pytest.mark.parametrize("merge_per_thread", [None, 8])
+def test_decode_padded_table_interpreted(interpreted, nan_empty, monkeypatch, merge_per_thread):
     """A decode graph's block table reaches far past its sequences: of 37 splits (not a power
     of two) of 16 keys, most are empty, write no partial (NaN here) and must not reach the
-    output. merge_tile 256 makes the merge take the splits 4 at a time."""
-    if merge_tile:
-        monkeypatch.setattr(attention, "_MERGE_TILE", merge_tile)
+    output. 8 values a thread makes the merge take the splits 4 at a time."""
+    if merge_per_thread:
+        monkeypatch.setattr(attention, "_MERGE_PER_THREAD", merge_per_thread)
     case = make_case([(1, 40), (1, 0), (1, 150), (1, 17)], (4, 2), 64, block_size=16, spare_columns=27)
     assert attention.split_plan(8, case.block_tables.shape[1] * 16, 16, torch.device("cpu"), 37) == (37, 16)
     out = check(case, num_splits=37, config=attention.TileConfig(16, 16, 4, 1))
@@ -241,13 +241,13 @@ def test_tma_key_tiles_interpreted(interpreted, nan_empty, monkeypatch, block_si
 
 
 @interpret
-@pytest.mark.parametrize("splits,merge_tile", [(2, None), (37, None), (37, 512)])
-def test_merge_splits_interpreted(interpreted, monkeypatch, splits, merge_tile):
-    """The merge alone: partials weighed by 2^lse, all splits in one tile or (merge_tile 512,
-    head dim 80 padded to 128) 4 at a time. Empty splits (lse -inf) hold NaN partials, which it
-    must not read; a (token, head) whose splits are all empty gets zeros."""
-    if merge_tile:
-        monkeypatch.setattr(attention, "_MERGE_TILE", merge_tile)
+@pytest.mark.parametrize("splits,merge_per_thread", [(2, None), (37, None), (37, 16)])
+def test_merge_splits_interpreted(interpreted, monkeypatch, splits, merge_per_thread):
+    """The merge alone: partials weighed by 2^lse, in tiles of 32 splits (head dim 80 padded to
+    128) or, with 16 values a thread, 4. Empty splits (lse -inf) hold NaN partials, which must
+    not reach the output; a (token, head) whose splits are all empty gets zeros."""
+    if merge_per_thread:
+        monkeypatch.setattr(attention, "_MERGE_PER_THREAD", merge_per_thread)
     gen = torch.Generator().manual_seed(0)
     tokens, heads, head_dim = 3, 2, 80
     partial = torch.randn(tokens, heads, splits, head_dim, generator=gen)
@@ -279,11 +279,15 @@ def test_non_contiguous_q_interpreted(interpreted, nan_empty):
 
 @pytest.mark.parametrize("field,change", [("scale", {"scale": 0.0}), ("scale", {"scale": -0.1}),
                                           ("max_seqlen_q", {"max_seqlen_q": 0}),
+                                          ("k_cache", {"k_cache": torch.zeros(4, 24, 2, 32),
+                                                       "v_cache": torch.zeros(4, 24, 2, 32)}),
                                           ("block_tables", {"block_tables": torch.zeros(1, 3, dtype=torch.int32)})])
 def test_bad_arguments_name_their_field(field, change):
     case = make_case([(2, 9), (1, 30)], (4, 2), 32)
+    caches = [change.get(name, getattr(case, name)) for name in ("k_cache", "v_cache")]
+    kwargs = case.kwargs() | {k: v for k, v in change.items() if not k.endswith("_cache")}
     with pytest.raises(ValueError, match=rf"^{field}:"):
-        kernels.paged_attention(case.q, case.k_cache, case.v_cache, **(case.kwargs() | change))
+        kernels.paged_attention(case.q, *caches, **kwargs)
 
 
 @pytest.mark.skipif(attention is None, reason="needs Triton")

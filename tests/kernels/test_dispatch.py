@@ -276,21 +276,28 @@ def test_fast_launches_match_triton_s_own_bitwise(offset, monkeypatch):
 
 # Programmatic dependent launch (launch.dependent_launch, launch.await_previous_kernel).
 
-def test_dependent_launch_is_off_on_the_cpu_and_when_switched_off(monkeypatch):
+def test_dependent_launch_is_off_on_the_cpu_in_the_interpreter_and_when_switched_off(monkeypatch):
+    off = {"PDL": False, "launch_pdl": False}
     monkeypatch.setattr(launch, "_dependent_launch", {})
-    assert launch.dependent_launch(-1) == {"PDL": False, "launch_pdl": False}
+    assert launch.dependent_launch(-1) == off
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CUDA tensors interpreted: no inline PTX
+    assert launch.dependent_launch(0) == off  # no GPU is asked
+    monkeypatch.setattr(launch, "_dependent_launch", {})
+    monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(launch, "dependent_launch_enabled", False)
-    assert launch.dependent_launch(0) == {"PDL": False, "launch_pdl": False}  # no GPU is asked
+    assert launch.dependent_launch(0) == off
 
 
 def _dependent_chain(x, weights, ops=kernels):
     """Kernels that each read all of the one before's output, as a decoder layer's do. The
     second norm reads its rows in transposed order, so its first programs need rows that the
-    first norm's last programs write: a read before the wait would see the previous replay's."""
+    first norm's last programs write: a read before the wait would see the previous replay's.
+    The residual is copied first, so that no PyTorch kernel sits between two of the chain."""
+    residual = x[:, : x.shape[1] // 2].clone()
     h = ops.rms_norm(x, weights[0], 1e-6)
     h = ops.rms_norm(h.view(64, 64, -1).transpose(0, 1), weights[0], 1e-6)
     h = ops.silu_and_mul(h.reshape(x.shape[0], -1))  # a view: the norm's output is contiguous
-    h, residual = ops.fused_add_rms_norm(h, x[:, : h.shape[1]].clone(), weights[1], 1e-6)
+    h, residual = ops.fused_add_rms_norm(h, residual, weights[1], 1e-6)
     return ops.fused_add_gelu(h, residual[0], "tanh")
 
 

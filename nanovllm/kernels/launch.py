@@ -33,6 +33,8 @@ import triton.language as tl
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
+from nanovllm.kernels import dispatch
+
 enabled = os.environ.get("NANOVLLM_FAST_LAUNCH", "1") != "0"
 # The internals used here (JITFunction.device_caches and its binder, the arguments of
 # CompiledKernel.run, triton.knobs) are Triton 3.6's; other versions keep Triton's own path.
@@ -48,7 +50,7 @@ def dependent_launch(device_index: int) -> dict:
     whatever the tensors' device). Cached: this runs on every launch."""
     options = _dependent_launch.get(device_index)
     if options is None:
-        on = (dependent_launch_enabled and device_index >= 0 and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        on = (dependent_launch_enabled and device_index >= 0 and not dispatch.INTERPRETER
               and torch.cuda.get_device_capability(device_index)[0] >= 9)
         options = _dependent_launch[device_index] = {"PDL": on, "launch_pdl": on}
     return options

@@ -19,7 +19,7 @@ from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from nanovllm import kernels
-from nanovllm.kernels import launch
+from nanovllm.kernels import dispatch, launch
 
 # Reports, as JSON, what the dispatch decided and what calling ops did.
 PROBE = textwrap.dedent("""
@@ -280,10 +280,10 @@ def test_dependent_launch_is_off_on_the_cpu_in_the_interpreter_and_when_switched
     off = {"PDL": False, "launch_pdl": False}
     monkeypatch.setattr(launch, "_dependent_launch", {})
     assert launch.dependent_launch(-1) == off
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CUDA tensors interpreted: no inline PTX
+    monkeypatch.setattr(dispatch, "INTERPRETER", True)  # CUDA tensors interpreted: no inline PTX
     assert launch.dependent_launch(0) == off  # no GPU is asked
     monkeypatch.setattr(launch, "_dependent_launch", {})
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(dispatch, "INTERPRETER", False)
     monkeypatch.setattr(launch, "dependent_launch_enabled", False)
     assert launch.dependent_launch(0) == off
 

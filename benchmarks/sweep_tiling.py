@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import test_custom_kernels as tck  # noqa: E402  (no side effects on import: main() is guarded)
 from nanovllm.kernels import _tiling, backend_for, benchmark_kernel  # noqa: E402
+from nanovllm.kernels.benchmark import clone_arguments  # noqa: E402
 
 # (op, launcher module, [(width, strided)]): test_custom_kernels' timed shapes (Qwen3-0.6B and
 # a 4096-wide model); "strided" rms_norm is the per-head q norm on a slice of the qkv output.
@@ -98,30 +99,10 @@ def variants(module, rows: int, tile_rows, warps_grid):
     return out
 
 
-def keep_layouts(fn, args):
-    """-> (call, args to pass): call(*passed) runs fn on args' layouts. benchmark_kernel times
-    clones of the tensor arguments, and clone() of a non-dense view (a slice of a packed qkv
-    row) is contiguous, so the strided cases would be timed on contiguous copies. Such views
-    are passed as their dense base buffers instead and re-viewed inside the call (host time,
-    not in the CUDA-graph timing). call returns (result, the arguments fn saw)."""
-    specs = [(a.size(), a.stride(), a.storage_offset()) if isinstance(a, torch.Tensor) and a._base is not None
-             and not a.is_contiguous() else None for a in args]
-    passed = [a if s is None else a._base for a, s in zip(args, specs)]
-
-    def call(*xs):
-        seen = [x if s is None else x.as_strided(*s) for x, s in zip(xs, specs)]
-        return fn(*seen), seen
-    return call, passed
-
-
-def _clones(args):
-    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-
-
-def outputs_of(op, call, inputs):
-    """The op's output tensors from one call on fresh clones of the inputs."""
-    result, seen = call(*_clones(inputs))
-    return [t.float() for t in op.outputs(result, seen)]
+def outputs_of(op, inputs):
+    """The op's output tensors from one call on fresh copies of the inputs."""
+    seen, _ = clone_arguments(inputs)
+    return [t.float() for t in op.outputs(op.fused(*seen), seen)]
 
 
 def matches(got, want, exact: bool) -> bool:
@@ -143,15 +124,14 @@ def copy_gbs(device) -> float:
 
 def sweep_case(op, module, case, rows, opts):
     """Every variant of one (op, shape, rows); -> list of variant records."""
-    call, passed = keep_layouts(op.fused, case.args)
-    pristine = _clones(passed)  # on the CPU benchmark_kernel runs in-place ops on the inputs themselves
-    timed = lambda: benchmark_kernel(lambda *xs: call(*xs)[0], *passed, warmup=opts.warmup, iters=opts.iters) * 1e3
+    pristine, _ = clone_arguments(case.args)  # on the CPU benchmark_kernel runs in-place ops on the inputs themselves
+    timed = lambda: benchmark_kernel(op.fused, *case.args, warmup=opts.warmup, iters=opts.iters) * 1e3
     records, seen_configs, want = [], {}, None
     for label, kwargs in variants(module, rows, opts.tile_rows, opts.warps):
         rec = dict(variant=label)
         try:
             with tiling(module, **kwargs) as used:
-                got = outputs_of(op, call, pristine)
+                got = outputs_of(op, pristine)
                 rec["config"] = config = dict(used)
                 key = tuple(sorted(config.items()))
                 if want is None:
@@ -174,9 +154,9 @@ def sweep_case(op, module, case, rows, opts):
 
 def compile_us(op, case, opts):
     """torch.compile of the eager expression, specialised to this case's shapes and layouts."""
-    call, passed = keep_layouts(torch.compile(op.eager, dynamic=False), case.args)
     try:
-        return benchmark_kernel(lambda *xs: call(*xs)[0], *passed, warmup=opts.warmup, iters=opts.iters) * 1e3
+        return benchmark_kernel(torch.compile(op.eager, dynamic=False), *case.args, warmup=opts.warmup,
+                                iters=opts.iters) * 1e3
     except Exception as exc:  # the baseline is a reference point: its failure must not end the sweep
         print(f"  torch.compile failed: {type(exc).__name__}: {str(exc)[:150]}")
         return None

@@ -9,8 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
+from nanovllm.kernels._tiling import TILE_ELEMENTS, cdiv, next_power_of_2, num_warps, rows_per_program
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
+
+RESIDUAL_TILE_ELEMENTS = TILE_ELEMENTS // 2
 
 
 @triton.jit
@@ -78,13 +80,14 @@ def _launch(x_layout, res_layout, out: torch.Tensor, weight: torch.Tensor, eps: 
     d = out.shape[-1]
     n_rows = out.numel() // d
     block_d = next_power_of_2(d)
-    block_r = rows_per_program(n_rows, block_d)
+    # With a residual, half the shared tile and 64 values a thread on full grids: one warp for
+    # two 1024-wide rows (H100, 4096 rows: 12.3 against 12.6 us; 32768: 90.8 against 91.7), two
+    # for a 4096-wide row (H200 sweeps: 33.8-34.4 against 35.0-35.7 us); docs/kernels.md.
+    block_r = rows_per_program(n_rows, block_d, 1, RESIDUAL_TILE_ELEMENTS if has_residual else TILE_ELEMENTS)
     programs = cdiv(n_rows, block_r)
     _rms_norm_kernel[(programs,)](
         *x_layout, *res_layout, out, weight.contiguous(), n_rows, d, eps,
         HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_D=block_d,
-        # With a residual, 64 values a thread on full grids: faster in three H200 sweeps at 4096
-        # rows (hidden 4096: 33.8-34.4 against 35.0-35.7 us; docs/kernels.md, "Tiling sweep").
         num_warps=num_warps(block_r * block_d, programs, 64 if has_residual else 16),
         **dependent_launch(out.get_device()))
 

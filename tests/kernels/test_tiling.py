@@ -1,4 +1,6 @@
 """The shared launch rule (nanovllm/kernels/_tiling.py): a pure function of the shape."""
+import torch
+
 from nanovllm.kernels import _tiling
 
 
@@ -15,3 +17,17 @@ def test_warps_carry_the_asked_values_a_thread_on_full_grids_and_one_vector_on_s
     assert _tiling.num_warps(4096, 1024, per_thread=64) == 2
     assert _tiling.num_warps(4096, 256, per_thread=64) == 16  # decode-sized grid: 8 a thread
     assert _tiling.num_warps(64, 1024) == 1 and _tiling.num_warps(1 << 20, 1024) == 16
+
+
+def test_a_residual_norm_takes_two_1024_wide_rows_on_one_warp_and_a_4096_wide_row_on_two(monkeypatch):
+    from nanovllm.kernels import norm
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, num_warps, **constexprs: launches.append((grid, constexprs["BLOCK_R"], num_warps))
+    monkeypatch.setattr(norm, "_rms_norm_kernel", Spy())
+    for width in (1024, 4096):
+        x = torch.randn(4096, width)
+        norm.fused_add_rms_norm(x, torch.randn_like(x), torch.randn(width), 1e-6)
+    assert launches == [((2048,), 2, 1), ((4096,), 1, 2)]

@@ -1,0 +1,50 @@
+"""benchmark_kernel's copies of the arguments (nanovllm/kernels/benchmark.py): same layout, new
+memory, aliasing kept; on a GPU, outputs that do not land on the previous call's memory."""
+import pytest
+import torch
+
+from nanovllm.kernels import benchmark_kernel
+from nanovllm.kernels.benchmark import clone_arguments
+
+
+def test_views_of_one_buffer_stay_views_of_one_copy():
+    packed = torch.randn(5, 7, 6)
+    q, k, v = packed.split([3, 2, 2], dim=1)
+    other = torch.randn(4, 3).t()
+    (q2, k2, v2, other2, eps), kwargs = clone_arguments([q, k, v, other, 1e-6], {"w": other})
+    assert eps == 1e-6
+    storage = q2.untyped_storage().data_ptr()
+    assert storage != packed.untyped_storage().data_ptr()
+    assert k2.untyped_storage().data_ptr() == storage == v2.untyped_storage().data_ptr()
+    for original, copy in ((q, q2), (k, k2), (v, v2), (other, other2), (other, kwargs["w"])):
+        assert (copy.stride(), copy.storage_offset(), copy.dtype) == (original.stride(), original.storage_offset(),
+                                                                     original.dtype)
+        assert torch.equal(copy, original)
+    assert kwargs["w"].untyped_storage().data_ptr() == other2.untyped_storage().data_ptr()
+
+
+def test_a_copy_is_independent_of_its_original():
+    x = torch.randn(9, 5)
+    (copy,), _ = clone_arguments([x[:, 1:]])
+    copy.fill_(float("nan"))
+    assert not x.isnan().any()
+
+
+def test_cpu_timing_is_a_positive_median():
+    assert benchmark_kernel(torch.add, torch.randn(64), torch.randn(64), warmup=1, iters=3) > 0
+
+
+@pytest.mark.gpu
+def test_outputs_rotate_like_the_inputs():
+    """A freed output's memory is what the next allocation gets: were results dropped, every
+    timed call would write to the same (cached) addresses."""
+    seen = []
+
+    def fresh_output(x):
+        out = x * 2
+        seen.append(out.data_ptr())
+        return out
+
+    benchmark_kernel(fresh_output, torch.randn(1 << 20, device="cuda"), warmup=1, iters=2)
+    # 4 MiB inputs: 32 copies, and the warm-up calls each once before anything is timed
+    assert len(set(seen[:32])) == 32, "consecutive calls wrote to the same memory"

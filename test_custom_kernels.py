@@ -168,10 +168,12 @@ def _make_qk_norm_rope(rows, width, dtype, device, strided):
 
 
 def _eager_qk_norm_rope(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_weight, k_weight):
+    """The rotated q comes back as a new tensor, the same bytes as the fused op's in-place
+    write: torch.compile (2.11, 2.13) fails on a write into q while k and v view its buffer."""
     q_rotated, k_rotated = reference.apply_rotary_emb(positions, reference.rms_norm(q, q_weight, EPS),
                                                       reference.rms_norm(k, k_weight, EPS), cos_sin)
     _eager_store_kvcache(k_rotated, v, k_cache, v_cache, slots)
-    return q.copy_(q_rotated)
+    return q_rotated
 
 
 def _eager_silu_and_mul(x):

@@ -3,24 +3,27 @@ Qwen3's per-head RMS norm of q and k (optional), neox-style rotary embedding of 
 the scatter of k and v into the paged caches. Unfused that is four launches a layer (q norm,
 k norm, rotary, KV store), each a few microseconds at decode sizes.
 
-Program (token, part): part 0 rewrites the token's q heads in place, part 1 writes its
-rotated k heads to the key cache, part 2 copies its v heads to the value cache. A head row
-is loaded as two halves, the pairs the rotation mixes."""
+Program (token tile, part): part 0 rewrites the tile's q heads in place, part 1 writes their
+rotated k heads to the key cache, part 2 copies their v heads to the value cache. Tiles are
+[tokens, heads, half a head]: a head row is loaded as two halves, the pairs the rotation
+mixes."""
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import next_power_of_2, num_warps
+from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 
 @triton.jit
-def _head_rows(ptr, token, token_stride, head_stride, heads, half, BLOCK_H: tl.constexpr,
+def _head_rows(ptr, tokens, n_tokens, token_stride, head_stride, heads, half, BLOCK_H: tl.constexpr,
                BLOCK_HALF: tl.constexpr):
-    rows = tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, BLOCK_HALF)
-    mask = (rows < heads)[:, None] & (cols < half)[None, :]
-    first = ptr + token * token_stride + rows[:, None] * head_stride + cols[None, :]
+    """[tokens, heads, first half] pointers of a tile and its mask; the second halves are `half` on."""
+    token = tokens[:, None, None]
+    head = tl.arange(0, BLOCK_H)[None, :, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, None, :]
+    mask = (token < n_tokens) & (head < heads) & (cols < half)
+    first = ptr + token.to(tl.int64) * token_stride + head * head_stride + cols
     return first, first + half, mask
 
 
@@ -28,9 +31,9 @@ def _head_rows(ptr, token, token_stride, head_stride, heads, half, BLOCK_H: tl.c
 def _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
     if HAS_NORM:
         # weights before the sums: a load placed after a reduction waits for it (see norm.py)
-        w1 = tl.load(weight_ptr + cols, mask=cols < half).to(tl.float32)[None, :]
-        w2 = tl.load(weight_ptr + half + cols, mask=cols < half).to(tl.float32)[None, :]
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(weight_ptr + cols, mask=cols < half).to(tl.float32)[None, None, :]
+        w2 = tl.load(weight_ptr + half + cols, mask=cols < half).to(tl.float32)[None, None, :]
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / (2 * half) + eps)[:, :, None]
         # rounded to the activation dtype, as the unfused norm's output is before rotary reads it
         x1 = (x1 * inv_rms * w1).to(dtype).to(tl.float32)
         x2 = (x2 * inv_rms * w2).to(dtype).to(tl.float32)
@@ -38,69 +41,75 @@ def _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM: tl.const
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["eps"])
+@triton.jit(do_not_specialize=["n_tokens", "eps"])
 def _qk_norm_rope_store_kernel(
     q_ptr, q_token_stride, q_head_stride, k_ptr, k_token_stride, k_head_stride,
     v_ptr, v_token_stride, v_head_stride, positions_ptr, cos_sin_ptr, cos_sin_stride,
     q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, kc_block_stride, kc_offset_stride, kc_head_stride,
-    v_cache_ptr, vc_block_stride, vc_offset_stride, vc_head_stride, q_heads, kv_heads, half, block_size,
-    HAS_NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    v_cache_ptr, vc_block_stride, vc_offset_stride, vc_head_stride, n_tokens, q_heads, kv_heads, half, block_size,
+    HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous_kernel(PDL)
     # Each part in its own function: q and k tiles differ in shape, and values defined in one
     # branch of an `if` must match those of the other.
-    token = tl.cast(tl.program_id(0), tl.int64)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     part = tl.program_id(1)
     if part == 0:
-        _rotate(q_ptr, token, q_token_stride, q_head_stride, q_heads, positions_ptr, cos_sin_ptr, cos_sin_stride,
-                q_weight_ptr, eps, half, q_ptr, 0, 0, 0, slot_mapping_ptr, block_size, False, HAS_NORM,
-                BLOCK_HQ, BLOCK_HALF)
+        _rotate(q_ptr, tokens, n_tokens, q_token_stride, q_head_stride, q_heads, positions_ptr, cos_sin_ptr,
+                cos_sin_stride, q_weight_ptr, eps, half, q_ptr, 0, 0, 0, slot_mapping_ptr, block_size, False,
+                HAS_NORM, BLOCK_HQ, BLOCK_HALF)
     elif part == 1:
-        _rotate(k_ptr, token, k_token_stride, k_head_stride, kv_heads, positions_ptr, cos_sin_ptr, cos_sin_stride,
-                k_weight_ptr, eps, half, k_cache_ptr, kc_block_stride, kc_offset_stride, kc_head_stride,
-                slot_mapping_ptr, block_size, True, HAS_NORM, BLOCK_HK, BLOCK_HALF)
+        _rotate(k_ptr, tokens, n_tokens, k_token_stride, k_head_stride, kv_heads, positions_ptr, cos_sin_ptr,
+                cos_sin_stride, k_weight_ptr, eps, half, k_cache_ptr, kc_block_stride, kc_offset_stride,
+                kc_head_stride, slot_mapping_ptr, block_size, True, HAS_NORM, BLOCK_HK, BLOCK_HALF)
     else:
-        src1, src2, mask = _head_rows(v_ptr, token, v_token_stride, v_head_stride, kv_heads, half, BLOCK_HK,
-                                      BLOCK_HALF)
-        _store_in_cache(v_cache_ptr, tl.load(src1, mask=mask), tl.load(src2, mask=mask), token, slot_mapping_ptr,
-                        block_size, vc_block_stride, vc_offset_stride, vc_head_stride, kv_heads, half, BLOCK_HK,
-                        BLOCK_HALF)
+        src1, src2, mask = _head_rows(v_ptr, tokens, n_tokens, v_token_stride, v_head_stride, kv_heads, half,
+                                      BLOCK_HK, BLOCK_HALF)
+        _store_in_cache(v_cache_ptr, tl.load(src1, mask=mask), tl.load(src2, mask=mask), tokens, n_tokens,
+                        slot_mapping_ptr, block_size, vc_block_stride, vc_offset_stride, vc_head_stride, kv_heads,
+                        half, BLOCK_HK, BLOCK_HALF)
 
 
 @triton.jit
-def _rotate(x_ptr, token, token_stride, head_stride, heads, positions_ptr, cos_sin_ptr, cos_sin_stride, weight_ptr,
-            eps, half, cache_ptr, block_stride, offset_stride, cache_head_stride, slot_mapping_ptr, block_size,
-            TO_CACHE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Norm and rotation of one token's heads: back in place (q), or into the cache (k)."""
+def _rotate(x_ptr, tokens, n_tokens, token_stride, head_stride, heads, positions_ptr, cos_sin_ptr, cos_sin_stride,
+            weight_ptr, eps, half, cache_ptr, block_stride, offset_stride, cache_head_stride, slot_mapping_ptr,
+            block_size, TO_CACHE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_HALF: tl.constexpr):
+    """Norm and rotation of a tile of tokens' heads: back in place (q), or into the cache (k)."""
     cols = tl.arange(0, BLOCK_HALF)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + position * cos_sin_stride + cols, mask=cols < half).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + position * cos_sin_stride + half + cols, mask=cols < half).to(tl.float32)[None, :]
-    x1_ptrs, x2_ptrs, mask = _head_rows(x_ptr, token, token_stride, head_stride, heads, half, BLOCK_H, BLOCK_HALF)
+    positions = tl.load(positions_ptr + tokens, mask=tokens < n_tokens, other=0).to(tl.int64)
+    cos_ptrs = cos_sin_ptr + positions[:, None, None] * cos_sin_stride + cols[None, None, :]
+    cos = tl.load(cos_ptrs, mask=cols[None, None, :] < half).to(tl.float32)
+    sin = tl.load(cos_ptrs + half, mask=cols[None, None, :] < half).to(tl.float32)
+    x1_ptrs, x2_ptrs, mask = _head_rows(x_ptr, tokens, n_tokens, token_stride, head_stride, heads, half, BLOCK_H,
+                                        BLOCK_HALF)
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
     r1, r2 = _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM, x_ptr.dtype.element_ty)
     # through x's dtype first: the unfused path stores the rotated tensor, then copies k to the cache
     r1, r2 = r1.to(x_ptr.dtype.element_ty), r2.to(x_ptr.dtype.element_ty)
     if TO_CACHE:
-        _store_in_cache(cache_ptr, r1, r2, token, slot_mapping_ptr, block_size, block_stride, offset_stride,
-                        cache_head_stride, heads, half, BLOCK_H, BLOCK_HALF)
+        _store_in_cache(cache_ptr, r1, r2, tokens, n_tokens, slot_mapping_ptr, block_size, block_stride,
+                        offset_stride, cache_head_stride, heads, half, BLOCK_H, BLOCK_HALF)
     else:
         tl.store(x1_ptrs, r1, mask=mask)
         tl.store(x2_ptrs, r2, mask=mask)
 
 
 @triton.jit
-def _store_in_cache(cache_ptr, x1, x2, token, slot_mapping_ptr, block_size, block_stride, offset_stride,
+def _store_in_cache(cache_ptr, x1, x2, tokens, n_tokens, slot_mapping_ptr, block_size, block_stride, offset_stride,
                     head_stride, heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int32)  # int32 division: int64's is a long routine
-    if slot >= 0:  # -1: a padding row that owns no slot
-        # int64: block * block_stride exceeds 2^31 elements in large caches
-        base = (slot // block_size).to(tl.int64) * block_stride + (slot % block_size).to(tl.int64) * offset_stride
-        first, second, mask = _head_rows(cache_ptr + base, 0, 0, head_stride, heads, half, BLOCK_H, BLOCK_HALF)
-        tl.store(first, x1.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(second, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+    # -1: a padding row that owns no slot; int32 division: int64's is a long routine
+    slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < n_tokens, other=-1).to(tl.int32)
+    # int64: block * block_stride exceeds 2^31 elements in large caches
+    base = (slots // block_size).to(tl.int64) * block_stride + (slots % block_size).to(tl.int64) * offset_stride
+    head = tl.arange(0, BLOCK_H)[None, :, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, None, :]
+    first = cache_ptr + base[:, None, None] + head * head_stride + cols
+    mask = (slots >= 0)[:, None, None] & (head < heads) & (cols < half)
+    tl.store(first, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + half, x2.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -116,14 +125,20 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     has_norm = q_weight is not None
     block_hq, block_hk = next_power_of_2(q_heads), next_power_of_2(kv_heads)
     block_half = next_power_of_2(half)
-    _qk_norm_rope_store_kernel[(n_tokens, 3)](
+    # Several tokens a program on large batches: one token's k or v is only 1-4 KB, too few bytes
+    # in flight to keep HBM busy (H200, 32768 tokens: 144 against 151 us, 91% of copy bandwidth).
+    block_t = rows_per_program(n_tokens, 2 * block_hk * block_half, 3)
+    programs = cdiv(n_tokens, block_t)
+    _qk_norm_rope_store_kernel[(programs, 3)](
         q_rows, q_rows.stride(0), q_rows.stride(1), k_rows, k_rows.stride(0), k_rows.stride(1),
         v_rows, v_rows.stride(0), v_rows.stride(1), positions, cache, cache.stride(0),
         q_weight.contiguous() if has_norm else cache, k_weight.contiguous() if has_norm else cache, eps,
         slot_mapping, k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
-        q_heads, kv_heads, half, k_cache.shape[1],
-        HAS_NORM=has_norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        num_warps=num_warps(2 * block_hq * block_half, 3 * n_tokens), **dependent_launch(q.get_device()))
+        n_tokens, q_heads, kv_heads, half, k_cache.shape[1],
+        HAS_NORM=has_norm, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        # at most 8 warps: 16 were 15% slower at 4096 and 32768 tokens (H200, docs/kernels.md)
+        num_warps=min(8, num_warps(2 * block_t * block_hq * block_half, 3 * programs)),
+        **dependent_launch(q.get_device()))
     if q_rows is not q:
         q.copy_(q_rows)
     return q

@@ -137,7 +137,7 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
         n_tokens, q_heads, kv_heads, half, k_cache.shape[1],
         HAS_NORM=has_norm, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
         # at most 8 warps: 16 were 15% slower at 4096 and 32768 tokens (H200, docs/kernels.md)
-        num_warps=min(8, num_warps(2 * block_t * block_hq * block_half, 3 * programs)),
+        num_warps=num_warps(2 * block_t * block_hq * block_half, 3 * programs, 16, 8),
         **dependent_launch(q.get_device()))
     if q_rows is not q:
         q.copy_(q_rows)

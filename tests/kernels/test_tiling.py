@@ -31,3 +31,7 @@ def test_a_residual_norm_takes_two_1024_wide_rows_on_one_warp_and_a_4096_wide_ro
         x = torch.randn(4096, width)
         norm.fused_add_rms_norm(x, torch.randn_like(x), torch.randn(width), 1e-6)
     assert launches == [((2048,), 2, 1), ((4096,), 1, 2)]
+
+
+def test_warps_stop_at_the_cap():
+    assert _tiling.num_warps(8192, 3072) == 16 and _tiling.num_warps(8192, 3072, 16, 8) == 8

@@ -34,6 +34,7 @@ from nanovllm.kernels import (apply_rotary_emb, backend_for, benchmark_kernel, e
                               fused_add_gelu, fused_add_rms_norm, gelu_and_mul, rms_norm, silu_and_mul,
                               qk_norm_rope_store, store_kvcache)
 from nanovllm.kernels import reference
+from nanovllm.kernels.benchmark import clone_arguments
 
 # Relative error ||out - ref|| / ||ref|| allowed against the float64 reference: a few units of
 # the output dtype's rounding (fp32 also absorbs the GPU's approximate exp/rsqrt).
@@ -130,27 +131,35 @@ def _qkv(rows, width, dtype, device, strided):
     return list(packed.split([q_heads, kv_heads, kv_heads], dim=1))
 
 
-def _make_rotary(rows, width, dtype, device, strided):
-    q, k, _ = _qkv(rows, width, dtype, device, strided)
+def _positions_and_cos_sin(rows, device):
     max_position = 4096
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM))
     freqs = torch.outer(torch.arange(max_position, device=device, dtype=torch.float32), inv_freq)
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-    positions = torch.randint(0, max_position, (rows,), device=device)
+    return torch.randint(0, max_position, (rows,), device=device), torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _caches_and_slots(key, strided):
+    """Key and value caches poisoned with SENTINEL, twice the slots the tokens need, and a slot
+    a token at random; strided: a padded decode batch, where some tokens have no slot."""
+    rows, num_blocks = key.shape[0], 2 * math.ceil(key.shape[0] / BLOCK_SIZE)
+    k_cache = torch.full((num_blocks, BLOCK_SIZE, *key.shape[1:]), SENTINEL, dtype=key.dtype, device=key.device)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=key.device)[:rows]
+    if strided:
+        slots[::5] = -1
+    return k_cache, k_cache.clone(), slots
+
+
+def _make_rotary(rows, width, dtype, device, strided):
+    q, k, _ = _qkv(rows, width, dtype, device, strided)
+    positions, cos_sin = _positions_and_cos_sin(rows, device)
     moved = 2 * _nbytes(q, k) + rows * (HEAD_DIM * 4 + positions.element_size())
     return Case([positions, q, k, cos_sin], moved)
 
 
 def _make_kvcache(rows, width, dtype, device, strided):
     _, key, value = _qkv(rows, width, dtype, device, strided)
-    num_blocks = 2 * math.ceil(rows / BLOCK_SIZE)
-    k_cache = torch.full((num_blocks, BLOCK_SIZE, *key.shape[1:]), SENTINEL, dtype=dtype, device=device)
-    v_cache = k_cache.clone()
-    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:rows]
-    if strided:  # padded decode batch: some tokens have no slot
-        slots[::5] = -1
-    moved = 2 * _nbytes(key, value) + _nbytes(slots)
-    return Case([key, value, k_cache, v_cache, slots], moved)
+    k_cache, v_cache, slots = _caches_and_slots(key, strided)
+    return Case([key, value, k_cache, v_cache, slots], 2 * _nbytes(key, value) + _nbytes(slots))
 
 
 def _eager_store_kvcache(key, value, k_cache, v_cache, slots):
@@ -160,12 +169,14 @@ def _eager_store_kvcache(key, value, k_cache, v_cache, slots):
 
 
 def _make_qk_norm_rope(rows, width, dtype, device, strided):
-    """Everything between the qkv projection and attention; strided: views of one packed output."""
-    positions, q, k, cos_sin = _make_rotary(rows, width, dtype, device, strided).args
-    key, value, k_cache, v_cache, slots = _make_kvcache(rows, width, dtype, device, strided).args
+    """Everything between the qkv projection and attention; strided: q, k and v view one packed
+    output, as in the model."""
+    q, k, v = _qkv(rows, width, dtype, device, strided)
+    positions, cos_sin = _positions_and_cos_sin(rows, device)
+    k_cache, v_cache, slots = _caches_and_slots(k, strided)
     weights = [_randn(HEAD_DIM, dtype=dtype, device=device) for _ in range(2)]
-    moved = 2 * _nbytes(q, k, value) + rows * (HEAD_DIM * 4 + positions.element_size()) + _nbytes(slots)
-    return Case([q, k, value, positions, cos_sin, k_cache, v_cache, slots, *weights], moved)
+    moved = 2 * _nbytes(q, k, v) + rows * (HEAD_DIM * 4 + positions.element_size()) + _nbytes(slots)
+    return Case([q, k, v, positions, cos_sin, k_cache, v_cache, slots, *weights], moved)
 
 
 def _eager_qk_norm_rope(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_weight, k_weight):
@@ -217,10 +228,6 @@ def _upcast(value):
     return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
-def _clone(value):
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     diff = (out.double() - ref).norm().item()
     scale = ref.norm().item()
@@ -229,10 +236,10 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_case(op: Op, fn: Callable, case: Case, dtype: torch.dtype) -> float:
     """Worst relative error of fn's outputs against the float64 reference (inf for an output
-    of the wrong dtype). Inputs are cloned first: several ops consume them in place."""
+    of the wrong dtype). Inputs are copied first, layouts kept: several ops consume them in place."""
     ref_args = [_upcast(a) for a in case.args]
     expected = op.outputs(op.ref(*ref_args), ref_args)
-    args = [_clone(a) for a in case.args]
+    args, _ = clone_arguments(case.args)
     got = op.outputs(fn(*args), args)
     if any(g.dtype != dtype for g in got):
         return math.inf
@@ -314,7 +321,7 @@ def copy_bandwidth_gbs() -> float:
 
 def peak_mib(fn: Callable, args: list) -> float:
     """Peak memory one call allocates beyond what is already there."""
-    args = [_clone(a) for a in args]
+    args, _ = clone_arguments(args)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -325,7 +332,7 @@ def peak_mib(fn: Callable, args: list) -> float:
 
 def count_kernels(fn: Callable, args: list) -> tuple[int, str]:
     from torch.profiler import ProfilerActivity, profile
-    args = [_clone(a) for a in args]
+    args, _ = clone_arguments(args)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(*args)
@@ -360,7 +367,7 @@ def _raise_recompile_limit() -> None:
 
 
 # Paths are timed in turn, ROUNDS times, and each keeps its best round: the GPU's state drifts
-# between runs by up to 40% on 2 us calls (H100), and interleaving gives every path the same.
+# between runs by up to 50% on 2 us calls (H100), and interleaving gives every path the same.
 ROUNDS = 3
 
 

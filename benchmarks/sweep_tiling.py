@@ -15,7 +15,7 @@ A variant is a monkeypatch of the launcher module's `rows_per_program` / `num_wa
 `_MAX_BLOCK_C`, restored afterwards. Its output is checked against the default variant's
 first; a mismatch is flagged BAD and not timed. A variant whose (rows, warps, column tile)
 the launcher actually used equals an earlier one's is not timed again.
-qk_norm_rope_store has a fixed (token, 3 parts) grid: only its warps are swept.
+qk_norm_rope_store's rows are tokens: a variant scales the tokens a program takes.
 
 From the repository root, on a GPU (meant to take about 3 minutes on an H200; not yet timed):
 

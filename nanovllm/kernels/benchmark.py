@@ -18,26 +18,35 @@ _MAX_COPIES = 32
 _GRAPH_MS = 2.0  # device time one replay aims at, so its launch cost is noise
 
 
+def _storage_key(tensor: torch.Tensor):
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
 def clone_arguments(args, kwargs=None):
     """Copies of the tensor arguments (others pass through): each a view of a copy of its
     original's whole storage, at the same offset and strides, and arguments that share a
     storage share the copy. Views of one packed qkv output thus stay one buffer, as in the
     model; cloned one by one, their rows would start at the same offsets of separate buffers
-    and fall on fewer memory channels (10% slower on an H100)."""
+    and fall on fewer memory channels (10% slower on an H100). A view of a large buffer (one
+    layer's slice of a whole KV cache) costs a copy of all of it."""
     storages = {}
 
     def clone(value):
         if not isinstance(value, torch.Tensor):
             return value
-        source = value.untyped_storage()
-        storage = storages.setdefault(source.data_ptr(), source.clone())
-        return value.new_empty(0).set_(storage, value.storage_offset(), value.shape, value.stride())
+        key = _storage_key(value)
+        if key not in storages:
+            storages[key] = value.untyped_storage().clone()
+        return value.new_empty(0).set_(storages[key], value.storage_offset(), value.shape, value.stride())
     return [clone(a) for a in args], {k: clone(v) for k, v in (kwargs or {}).items()}
 
 
 def _copies_to_defeat_cache(args, kwargs) -> int:
-    tensor_bytes = sum(v.numel() * v.element_size() for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor))
-    return max(1, min(_MAX_COPIES, -(-2 * _L2_BYTES // max(tensor_bytes, 1))))
+    """Enough copies that a round of calls touches twice the L2 cache, counted in the storages
+    clone_arguments copies."""
+    storages = {_storage_key(v): v.untyped_storage().nbytes() for v in [*args, *kwargs.values()]
+                if isinstance(v, torch.Tensor)}
+    return max(1, min(_MAX_COPIES, -(-2 * _L2_BYTES // max(sum(storages.values()), 1))))
 
 
 def benchmark_kernel(fn, *args, warmup: int = 20, iters: int = 100, **kwargs) -> float:

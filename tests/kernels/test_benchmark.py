@@ -30,8 +30,15 @@ def test_a_copy_is_independent_of_its_original():
     assert not x.isnan().any()
 
 
-def test_cpu_timing_is_a_positive_median():
-    assert benchmark_kernel(torch.add, torch.randn(64), torch.randn(64), warmup=1, iters=3) > 0
+def test_empty_tensors_on_two_devices_get_copies_of_their_own():
+    (meta, cpu), _ = clone_arguments([torch.empty(0, device="meta"), torch.empty(0)])
+    assert (meta.device.type, cpu.device.type) == ("meta", "cpu")
+
+
+def test_cpu_timing_runs_warmup_and_timed_calls_on_the_arguments():
+    calls = []
+    ms = benchmark_kernel(lambda x: calls.append(x), torch.randn(64), warmup=2, iters=3)
+    assert len(calls) == 5 and ms >= 0
 
 
 @pytest.mark.gpu

@@ -35,3 +35,19 @@ def test_a_residual_norm_takes_two_1024_wide_rows_on_one_warp_and_a_4096_wide_ro
 
 def test_warps_stop_at_the_cap():
     assert _tiling.num_warps(8192, 3072) == 16 and _tiling.num_warps(8192, 3072, 16, 8) == 8
+
+
+def test_large_batches_run_q_k_prologue_tiles_of_four_qwen3_tokens_on_8_warps(monkeypatch):
+    from nanovllm.kernels import qk_norm_rope
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, num_warps, **constexprs: launches.append((grid, constexprs["BLOCK_T"], num_warps))
+    monkeypatch.setattr(qk_norm_rope, "_qk_norm_rope_store_kernel", Spy())
+    for tokens in (1, 4096):  # Qwen3-0.6B: 16 q heads, 8 kv heads of 128
+        q, k, v = torch.randn(tokens, 32, 128).split([16, 8, 8], dim=1)
+        qk_norm_rope.qk_norm_rope_store(q, k, v, torch.zeros(tokens, dtype=torch.long), torch.randn(8, 128),
+                                        torch.empty(4, 16, 8, 128), torch.empty(4, 16, 8, 128),
+                                        torch.zeros(tokens, dtype=torch.long))
+    assert launches == [((1, 3), 1, 8), ((1024, 3), 4, 8)]

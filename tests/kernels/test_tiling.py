@@ -19,14 +19,21 @@ def test_warps_carry_the_asked_values_a_thread_on_full_grids_and_one_vector_on_s
     assert _tiling.num_warps(64, 1024) == 1 and _tiling.num_warps(1 << 20, 1024) == 16
 
 
-def test_a_residual_norm_takes_two_1024_wide_rows_on_one_warp_and_a_4096_wide_row_on_two(monkeypatch):
-    from nanovllm.kernels import norm
+def _record_launches(monkeypatch, module, kernel_name: str, tile_constexpr: str) -> list:
+    """Replaces module.kernel_name by a stand-in that records (grid, the tile constexpr, warps)
+    of every launch, instead of running anything."""
     launches = []
 
-    class Spy:
+    class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, num_warps, **constexprs: launches.append((grid, constexprs["BLOCK_R"], num_warps))
-    monkeypatch.setattr(norm, "_rms_norm_kernel", Spy())
+            return lambda *args, num_warps, **constexprs: launches.append((grid, constexprs[tile_constexpr], num_warps))
+    monkeypatch.setattr(module, kernel_name, Recorder())
+    return launches
+
+
+def test_a_residual_norm_takes_two_1024_wide_rows_on_one_warp_and_a_4096_wide_row_on_two(monkeypatch):
+    from nanovllm.kernels import norm
+    launches = _record_launches(monkeypatch, norm, "_rms_norm_kernel", "BLOCK_R")
     for width in (1024, 4096):
         x = torch.randn(4096, width)
         norm.fused_add_rms_norm(x, torch.randn_like(x), torch.randn(width), 1e-6)
@@ -39,12 +46,7 @@ def test_warps_stop_at_the_cap():
 
 def test_large_batches_run_q_k_prologue_tiles_of_four_qwen3_tokens_on_8_warps(monkeypatch):
     from nanovllm.kernels import qk_norm_rope
-    launches = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *args, num_warps, **constexprs: launches.append((grid, constexprs["BLOCK_T"], num_warps))
-    monkeypatch.setattr(qk_norm_rope, "_qk_norm_rope_store_kernel", Spy())
+    launches = _record_launches(monkeypatch, qk_norm_rope, "_qk_norm_rope_store_kernel", "BLOCK_T")
     for tokens in (1, 4096):  # Qwen3-0.6B: 16 q heads, 8 kv heads of 128
         q, k, v = torch.randn(tokens, 32, 128).split([16, 8, 8], dim=1)
         qk_norm_rope.qk_norm_rope_store(q, k, v, torch.zeros(tokens, dtype=torch.long), torch.randn(8, 128),

@@ -93,9 +93,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _launch(kernel, n_rows: int, n_cols: int, *args, per_thread: int = 8, **constexprs) -> None:
     """Runs `kernel` over a [n_rows, n_cols] problem in tiles of BLOCK_R rows x BLOCK_C columns,
-    `per_thread` values a thread on full grids. 8 (one 16-byte vector, 8 warps a tile): the
-    fifth session's three sweeps (H100, H200) agreed on it for silu_and_mul and
-    element_wise_mul_add at 4096 rows, by 1-3%; fused_add_gelu's favoured 4 warps."""
+    `per_thread` values a thread on full grids. 8 (one 16-byte vector: 8 warps for a
+    2048-element tile): the fifth session's three sweeps (H100, H200) agreed on it for
+    silu_and_mul and element_wise_mul_add at 4096 rows, by 1-3%; fused_add_gelu's favoured
+    4 warps."""
     block_c = min(next_power_of_2(n_cols), _MAX_BLOCK_C)
     col_blocks = cdiv(n_cols, block_c)
     block_r = rows_per_program(n_rows, block_c, col_blocks, _TILE_ELEMENTS)

@@ -19,14 +19,14 @@ _TOKEN_TILE_ELEMENTS = 8192
 
 
 @triton.jit
-def _head_rows(ptr, tokens, n_tokens, token_stride, head_stride, heads, half, BLOCK_H: tl.constexpr,
+def _head_rows(ptr, token_offsets, token_mask, head_stride, heads, half, BLOCK_H: tl.constexpr,
                BLOCK_HALF: tl.constexpr):
-    """[tokens, heads, first half] pointers of a tile and its mask; the second halves are `half` on."""
-    token = tokens[:, None, None]
+    """[tokens, heads, first half] pointers of a tile whose tokens start at `token_offsets`
+    (int64), and its mask; the second halves are `half` on."""
     head = tl.arange(0, BLOCK_H)[None, :, None]
     cols = tl.arange(0, BLOCK_HALF)[None, None, :]
-    mask = (token < n_tokens) & (head < heads) & (cols < half)
-    first = ptr + token.to(tl.int64) * token_stride + head * head_stride + cols
+    mask = token_mask[:, None, None] & (head < heads) & (cols < half)
+    first = ptr + token_offsets[:, None, None] + head * head_stride + cols
     return first, first + half, mask
 
 
@@ -67,8 +67,8 @@ def _qk_norm_rope_store_kernel(
                 cos_sin_stride, k_weight_ptr, eps, half, k_cache_ptr, kc_block_stride, kc_offset_stride,
                 kc_head_stride, slot_mapping_ptr, block_size, True, HAS_NORM, BLOCK_HK, BLOCK_HALF)
     else:
-        src1, src2, mask = _head_rows(v_ptr, tokens, n_tokens, v_token_stride, v_head_stride, kv_heads, half,
-                                      BLOCK_HK, BLOCK_HALF)
+        src1, src2, mask = _head_rows(v_ptr, tokens.to(tl.int64) * v_token_stride, tokens < n_tokens,
+                                      v_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
         _store_in_cache(v_cache_ptr, tl.load(src1, mask=mask), tl.load(src2, mask=mask), tokens, n_tokens,
                         slot_mapping_ptr, block_size, vc_block_stride, vc_offset_stride, vc_head_stride, kv_heads,
                         half, BLOCK_HK, BLOCK_HALF)
@@ -85,8 +85,8 @@ def _rotate(x_ptr, tokens, n_tokens, token_stride, head_stride, heads, positions
     cos_ptrs = cos_sin_ptr + positions[:, None, None] * cos_sin_stride + cols[None, None, :]
     cos = tl.load(cos_ptrs, mask=cols[None, None, :] < half).to(tl.float32)
     sin = tl.load(cos_ptrs + half, mask=cols[None, None, :] < half).to(tl.float32)
-    x1_ptrs, x2_ptrs, mask = _head_rows(x_ptr, tokens, n_tokens, token_stride, head_stride, heads, half, BLOCK_H,
-                                        BLOCK_HALF)
+    x1_ptrs, x2_ptrs, mask = _head_rows(x_ptr, tokens.to(tl.int64) * token_stride, tokens < n_tokens, head_stride,
+                                        heads, half, BLOCK_H, BLOCK_HALF)
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
     r1, r2 = _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM, x_ptr.dtype.element_ty)
@@ -107,12 +107,9 @@ def _store_in_cache(cache_ptr, x1, x2, tokens, n_tokens, slot_mapping_ptr, block
     slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < n_tokens, other=-1).to(tl.int32)
     # int64: block * block_stride exceeds 2^31 elements in large caches
     base = (slots // block_size).to(tl.int64) * block_stride + (slots % block_size).to(tl.int64) * offset_stride
-    head = tl.arange(0, BLOCK_H)[None, :, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, None, :]
-    first = cache_ptr + base[:, None, None] + head * head_stride + cols
-    mask = (slots >= 0)[:, None, None] & (head < heads) & (cols < half)
+    first, second, mask = _head_rows(cache_ptr, base, slots >= 0, head_stride, heads, half, BLOCK_H, BLOCK_HALF)
     tl.store(first, x1.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + half, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(second, x2.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,

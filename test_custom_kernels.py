@@ -41,6 +41,7 @@ from nanovllm.kernels.benchmark import clone_arguments
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 EPS = 1e-6
 HEAD_DIM = 128
+PREFILL_ROWS = 4096  # batches this large are prefills: never padded
 BLOCK_SIZE = 16  # paged-cache block
 SENTINEL = -777.0  # cache poison: slots nobody writes must keep it
 
@@ -139,14 +140,15 @@ def _positions_and_cos_sin(rows, device):
 
 
 def _caches_and_slots(key, strided):
-    """Key and value caches poisoned with SENTINEL, twice the slots the tokens need, and a slot
-    a token at random; strided: a padded decode batch, where some tokens have no slot."""
+    """Key and value caches poisoned with SENTINEL, twice the slots the tokens need, a slot a
+    token at random, and the number of tokens with a slot. strided, below prefill sizes: a
+    decode batch padded as for a CUDA graph, whose last fifth of tokens has no slot."""
     rows, num_blocks = key.shape[0], 2 * math.ceil(key.shape[0] / BLOCK_SIZE)
     k_cache = torch.full((num_blocks, BLOCK_SIZE, *key.shape[1:]), SENTINEL, dtype=key.dtype, device=key.device)
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device=key.device)[:rows]
-    if strided:
-        slots[::5] = -1
-    return k_cache, k_cache.clone(), slots
+    slotted = rows - rows // 5 if strided and rows < PREFILL_ROWS else rows
+    slots[slotted:] = -1
+    return k_cache, k_cache.clone(), slots, slotted
 
 
 def _make_rotary(rows, width, dtype, device, strided):
@@ -158,8 +160,9 @@ def _make_rotary(rows, width, dtype, device, strided):
 
 def _make_kvcache(rows, width, dtype, device, strided):
     _, key, value = _qkv(rows, width, dtype, device, strided)
-    k_cache, v_cache, slots = _caches_and_slots(key, strided)
-    return Case([key, value, k_cache, v_cache, slots], 2 * _nbytes(key, value) + _nbytes(slots))
+    k_cache, v_cache, slots, slotted = _caches_and_slots(key, strided)
+    # a token without a slot needs neither its key and value read nor anything written
+    return Case([key, value, k_cache, v_cache, slots], 2 * _nbytes(key, value) * slotted // rows + _nbytes(slots))
 
 
 def _eager_store_kvcache(key, value, k_cache, v_cache, slots):
@@ -173,9 +176,10 @@ def _make_qk_norm_rope(rows, width, dtype, device, strided):
     output, as in the model."""
     q, k, v = _qkv(rows, width, dtype, device, strided)
     positions, cos_sin = _positions_and_cos_sin(rows, device)
-    k_cache, v_cache, slots = _caches_and_slots(k, strided)
+    k_cache, v_cache, slots, slotted = _caches_and_slots(k, strided)
     weights = [_randn(HEAD_DIM, dtype=dtype, device=device) for _ in range(2)]
-    moved = 2 * _nbytes(q, k, v) + rows * (HEAD_DIM * 4 + positions.element_size()) + _nbytes(slots)
+    moved = (2 * _nbytes(q) + 2 * _nbytes(k, v) * slotted // rows
+             + rows * (HEAD_DIM * 4 + positions.element_size()) + _nbytes(slots))
     return Case([q, k, v, positions, cos_sin, k_cache, v_cache, slots, *weights], moved)
 
 

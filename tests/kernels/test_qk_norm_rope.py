@@ -44,11 +44,12 @@ def _check(q, k, v, positions, k_cache, v_cache, slots, weights, dtype):
 @pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim,block_size",
                          [(9, 16, 8, 128, 16), (6, 5, 1, 96, 4), (5, 4, 4, 64, 256), (701, 4, 2, 64, 16),
-                          (700, 5, 1, 96, 4)])
+                          (700, 5, 1, 96, 4), (33, 6, 4, 64, 16)])
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "qwen2"])
 def test_matches_the_unfused_composition(device, dtype, tokens, q_heads, kv_heads, head_dim, block_size, qk_norm):
     """head_dim 96: a rotary half of 48 is not a power of two; 5 over 1: an odd GQA group;
-    700 and 701 tokens: programs of several tokens, the last one ragged."""
+    6 over 4: q in two parts of 3 heads, narrower than k's tile; 700 and 701 tokens: programs
+    of several tokens, the last one ragged."""
     require_triton(device)
     inputs = _inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, device)
     weights = [randn(head_dim, dtype=dtype, device=device) for _ in range(2)] if qk_norm else []

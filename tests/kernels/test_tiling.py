@@ -44,12 +44,12 @@ def test_warps_stop_at_the_cap():
     assert _tiling.num_warps(8192, 3072) == 16 and _tiling.num_warps(8192, 3072, 16, 8) == 8
 
 
-def test_large_batches_run_q_k_prologue_tiles_of_four_qwen3_tokens_on_8_warps(monkeypatch):
+def test_the_q_k_prologue_runs_a_program_per_kv_group_of_heads_two_qwen3_tokens_on_4_warps(monkeypatch):
     from nanovllm.kernels import qk_norm_rope
     launches = _record_launches(monkeypatch, qk_norm_rope, "_qk_norm_rope_store_kernel", "BLOCK_T")
-    for tokens in (1, 4096):  # Qwen3-0.6B: 16 q heads, 8 kv heads of 128
+    for tokens in (1, 4096):  # Qwen3-0.6B: 16 q heads, 8 kv heads of 128: two q parts, k, v
         q, k, v = torch.randn(tokens, 32, 128).split([16, 8, 8], dim=1)
         qk_norm_rope.qk_norm_rope_store(q, k, v, torch.zeros(tokens, dtype=torch.long), torch.randn(8, 128),
                                         torch.empty(4, 16, 8, 128), torch.empty(4, 16, 8, 128),
                                         torch.zeros(tokens, dtype=torch.long))
-    assert launches == [((1, 3), 1, 8), ((1024, 3), 4, 8)]
+    assert launches == [((4,), 1, 4), ((8192,), 2, 4)]

@@ -139,6 +139,12 @@ def _positions_and_cos_sin(rows, device):
     return torch.randint(0, max_position, (rows,), device=device), torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+def _rotary_bytes(positions, cos_sin) -> int:
+    """Positions, and the cos/sin rows they pick, each read once: a position that recurs in
+    the batch reads its row from cache."""
+    return _nbytes(positions) + positions.unique().numel() * cos_sin.shape[1] * cos_sin.element_size()
+
+
 def _caches_and_slots(key, strided):
     """Key and value caches poisoned with SENTINEL, twice the slots the tokens need, a slot a
     token at random, and the number of tokens with a slot. strided, below prefill sizes: a
@@ -154,8 +160,7 @@ def _caches_and_slots(key, strided):
 def _make_rotary(rows, width, dtype, device, strided):
     q, k, _ = _qkv(rows, width, dtype, device, strided)
     positions, cos_sin = _positions_and_cos_sin(rows, device)
-    moved = 2 * _nbytes(q, k) + rows * (HEAD_DIM * 4 + positions.element_size())
-    return Case([positions, q, k, cos_sin], moved)
+    return Case([positions, q, k, cos_sin], 2 * _nbytes(q, k) + _rotary_bytes(positions, cos_sin))
 
 
 def _make_kvcache(rows, width, dtype, device, strided):
@@ -178,8 +183,7 @@ def _make_qk_norm_rope(rows, width, dtype, device, strided):
     positions, cos_sin = _positions_and_cos_sin(rows, device)
     k_cache, v_cache, slots, slotted = _caches_and_slots(k, strided)
     weights = [_randn(HEAD_DIM, dtype=dtype, device=device) for _ in range(2)]
-    moved = (2 * _nbytes(q) + 2 * _nbytes(k, v) * slotted // rows
-             + rows * (HEAD_DIM * 4 + positions.element_size()) + _nbytes(slots))
+    moved = 2 * _nbytes(q) + 2 * _nbytes(k, v) * slotted // rows + _rotary_bytes(positions, cos_sin) + _nbytes(slots)
     return Case([q, k, v, positions, cos_sin, k_cache, v_cache, slots, *weights], moved)
 
 

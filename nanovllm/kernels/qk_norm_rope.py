@@ -3,11 +3,12 @@ Qwen3's per-head RMS norm of q and k (optional), neox-style rotary embedding of 
 the scatter of k and v into the paged caches. Unfused that is four launches a layer (q norm,
 k norm, rotary, KV store), each a few microseconds at decode sizes.
 
-A token tile's work is split into parts of one kv group's heads each: Q_PARTS parts rewrite
-the q heads in place, the next writes the rotated k heads to the key cache and the last copies
-the v heads to the value cache. Parts of equal size keep the programs equally long, and the
-part is the fastest-moving program index, so that a tile's programs run together and read
-its rows of the packed qkv output at once (H200, 4096 tokens: 20.7 -> 19.1 us). Tiles are
+A token tile's work is split into parts of at most as many heads as k has: Q_PARTS parts
+rewrite the q heads in place, the next writes the rotated k heads to the key cache and the
+last copies the v heads to the value cache. Parts of about one size keep the programs about
+equally long, and the part is the fastest-moving program index, so that a tile's programs
+run together and read its rows of the packed qkv output at once (H200, 4096 tokens: 20.7 ->
+19.1 us). Tiles are
 [tokens, heads, half a head]: a head row is loaded as two halves, the pairs the rotation
 mixes."""
 import torch
@@ -17,7 +18,7 @@ import triton.language as tl
 from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
-# q elements a program takes on large batches: 2 tokens of a Qwen3-0.6B q part (8 heads of 128)
+# k elements a program takes on large batches: 2 tokens of Qwen3-0.6B (8 kv heads of 128)
 _TOKEN_TILE_ELEMENTS = 2048
 
 
@@ -59,53 +60,52 @@ def _qk_norm_rope_store_kernel(
     await_previous_kernel(PDL)
     part = tl.program_id(0) % (Q_PARTS + 2)
     tokens = tl.program_id(0) // (Q_PARTS + 2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    # Each part in its own function: q and k tiles may differ in shape, and values defined in
-    # one branch of an `if` must match those of the other.
+    in_range = tokens < n_tokens
+    # Each part in its own branch and functions: q and k tiles may differ in shape, and values
+    # defined in one branch of an `if` must match those of the other.
     if part < Q_PARTS:
         first_head = part * q_part_heads
-        _rotate(q_ptr + first_head * q_head_stride, tokens, tokens < n_tokens, q_token_stride, q_head_stride,
-                tl.minimum(q_part_heads, q_heads - first_head), positions_ptr, cos_sin_ptr, cos_sin_stride,
-                q_weight_ptr, eps, half, q_ptr, 0, 0, 0, tokens, block_size, False, HAS_NORM, BLOCK_HQ, BLOCK_HALF)
+        q1, q2, mask = _head_rows(q_ptr + first_head * q_head_stride, tokens.to(tl.int64) * q_token_stride, in_range,
+                                  q_head_stride, tl.minimum(q_part_heads, q_heads - first_head), half, BLOCK_HQ,
+                                  BLOCK_HALF)
+        r1, r2 = _rotated(q1, q2, mask, tokens, in_range, positions_ptr, cos_sin_ptr, cos_sin_stride, q_weight_ptr,
+                          eps, half, HAS_NORM, BLOCK_HALF)
+        tl.store(q1, r1, mask=mask)
+        tl.store(q2, r2, mask=mask)
     else:
         # -1: a padding token that owns no slot, so nothing is written for it. Its k and v are
         # read all the same: loads masked by the slot would wait for it (H200, 4096 tokens:
         # 20.1 against 19.7 us).
-        slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < n_tokens, other=-1).to(tl.int32)
+        slots = tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1).to(tl.int32)
         if part == Q_PARTS:
-            _rotate(k_ptr, tokens, tokens < n_tokens, k_token_stride, k_head_stride, kv_heads, positions_ptr,
-                    cos_sin_ptr, cos_sin_stride, k_weight_ptr, eps, half, k_cache_ptr, kc_block_stride,
-                    kc_offset_stride, kc_head_stride, slots, block_size, True, HAS_NORM, BLOCK_HK, BLOCK_HALF)
+            k1, k2, mask = _head_rows(k_ptr, tokens.to(tl.int64) * k_token_stride, in_range, k_head_stride, kv_heads,
+                                      half, BLOCK_HK, BLOCK_HALF)
+            r1, r2 = _rotated(k1, k2, mask, tokens, in_range, positions_ptr, cos_sin_ptr, cos_sin_stride,
+                              k_weight_ptr, eps, half, HAS_NORM, BLOCK_HALF)
+            _store_in_cache(k_cache_ptr, r1, r2, slots, block_size, kc_block_stride, kc_offset_stride,
+                            kc_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
         else:
-            src1, src2, mask = _head_rows(v_ptr, tokens.to(tl.int64) * v_token_stride, tokens < n_tokens,
-                                          v_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
-            _store_in_cache(v_cache_ptr, tl.load(src1, mask=mask), tl.load(src2, mask=mask), slots, block_size,
+            v1, v2, mask = _head_rows(v_ptr, tokens.to(tl.int64) * v_token_stride, in_range, v_head_stride, kv_heads,
+                                      half, BLOCK_HK, BLOCK_HALF)
+            _store_in_cache(v_cache_ptr, tl.load(v1, mask=mask), tl.load(v2, mask=mask), slots, block_size,
                             vc_block_stride, vc_offset_stride, vc_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
 
 
 @triton.jit
-def _rotate(x_ptr, tokens, token_mask, token_stride, head_stride, heads, positions_ptr, cos_sin_ptr, cos_sin_stride,
-            weight_ptr, eps, half, cache_ptr, block_stride, offset_stride, cache_head_stride, slots,
-            block_size, TO_CACHE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
-            BLOCK_HALF: tl.constexpr):
-    """Norm and rotation of a tile of tokens' heads: back in place (q), or into the cache (k)."""
+def _rotated(x1_ptrs, x2_ptrs, mask, tokens, in_range, positions_ptr, cos_sin_ptr, cos_sin_stride, weight_ptr, eps,
+             half, HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The normalised (HAS_NORM) and rotated halves of a [tokens, heads, half] tile, in x's dtype."""
     cols = tl.arange(0, BLOCK_HALF)
-    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+    positions = tl.load(positions_ptr + tokens, mask=in_range, other=0).to(tl.int64)
     cos_ptrs = cos_sin_ptr + positions[:, None, None] * cos_sin_stride + cols[None, None, :]
     cos = tl.load(cos_ptrs, mask=cols[None, None, :] < half).to(tl.float32)
     sin = tl.load(cos_ptrs + half, mask=cols[None, None, :] < half).to(tl.float32)
-    x1_ptrs, x2_ptrs, mask = _head_rows(x_ptr, tokens.to(tl.int64) * token_stride, token_mask, head_stride,
-                                        heads, half, BLOCK_H, BLOCK_HALF)
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
-    r1, r2 = _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM, x_ptr.dtype.element_ty)
+    dtype = x1_ptrs.dtype.element_ty
+    r1, r2 = _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
     # through x's dtype first: the unfused path stores the rotated tensor, then copies k to the cache
-    r1, r2 = r1.to(x_ptr.dtype.element_ty), r2.to(x_ptr.dtype.element_ty)
-    if TO_CACHE:
-        _store_in_cache(cache_ptr, r1, r2, slots, block_size, block_stride, offset_stride, cache_head_stride,
-                        heads, half, BLOCK_H, BLOCK_HALF)
-    else:
-        tl.store(x1_ptrs, r1, mask=mask)
-        tl.store(x2_ptrs, r2, mask=mask)
+    return r1.to(dtype), r2.to(dtype)
 
 
 @triton.jit
@@ -134,10 +134,11 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     q_part_heads = cdiv(q_heads, q_parts)
     block_hq, block_hk = next_power_of_2(q_part_heads), next_power_of_2(kv_heads)
     block_half = next_power_of_2(half)
-    # Several tokens a program on large batches, 4 warps: of the tiles of 1 to 8 Qwen3-0.6B
+    # Several tokens a program on large batches, 4 warps: of the tiles of 1 to 16 Qwen3-0.6B
     # tokens and the 2 to 8 warps tried, the fastest at 4096 and 32768 tokens (H200). Sized by
-    # the q part, which may be the larger, so that wide GQA groups do not spill registers.
-    block_t = rows_per_program(n_tokens, 2 * block_hq * block_half, q_parts + 2, _TOKEN_TILE_ELEMENTS)
+    # the k tile, never narrower than a q part's.
+    token_k_elements = 2 * block_hk * block_half
+    block_t = rows_per_program(n_tokens, token_k_elements, q_parts + 2, _TOKEN_TILE_ELEMENTS)
     programs = cdiv(n_tokens, block_t) * (q_parts + 2)
     _qk_norm_rope_store_kernel[(programs,)](
         q_rows, q_rows.stride(0), q_rows.stride(1), k_rows, k_rows.stride(0), k_rows.stride(1),
@@ -147,8 +148,9 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
         n_tokens, q_heads, kv_heads, half, k_cache.shape[1], q_part_heads,
         HAS_NORM=has_norm, Q_PARTS=q_parts, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
-        # at most 8 warps: 16 were 15% slower at 4096 and 32768 tokens (H200, docs/kernels.md)
-        num_warps=num_warps(2 * block_t * block_hq * block_half, programs, 16, 8),
+        # at most 8 warps: on tiles of 4 tokens of Qwen3-0.6B's 16 q heads, 16 were 15% slower
+        # at 4096 and 32768 tokens (H200, docs/kernels.md)
+        num_warps=num_warps(block_t * token_k_elements, programs, 16, 8),
         **dependent_launch(q.get_device()))
     if q_rows is not q:
         q.copy_(q_rows)

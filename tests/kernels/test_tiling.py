@@ -44,7 +44,7 @@ def test_warps_stop_at_the_cap():
     assert _tiling.num_warps(8192, 3072) == 16 and _tiling.num_warps(8192, 3072, 16, 8) == 8
 
 
-def test_the_q_k_prologue_runs_a_program_per_kv_group_of_heads_two_qwen3_tokens_on_4_warps(monkeypatch):
+def test_the_q_k_prologue_splits_q_into_k_sized_parts_of_two_qwen3_tokens_on_4_warps(monkeypatch):
     from nanovllm.kernels import qk_norm_rope
     launches = _record_launches(monkeypatch, qk_norm_rope, "_qk_norm_rope_store_kernel", "BLOCK_T")
     for tokens in (1, 4096):  # Qwen3-0.6B: 16 q heads, 8 kv heads of 128: two q parts, k, v

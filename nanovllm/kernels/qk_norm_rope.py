@@ -8,9 +8,8 @@ rewrite the q heads in place, the next writes the rotated k heads to the key cac
 last copies the v heads to the value cache. Parts of about one size keep the programs about
 equally long, and the part is the fastest-moving program index, so that a tile's programs
 run together and read its rows of the packed qkv output at once (H200, 4096 tokens: 20.7 ->
-19.1 us). Tiles are
-[tokens, heads, half a head]: a head row is loaded as two halves, the pairs the rotation
-mixes."""
+19.1 us). Tiles are [tokens, heads, half a head]: a head row is loaded as two halves, the
+pairs the rotation mixes."""
 import torch
 import triton
 import triton.language as tl

@@ -48,8 +48,8 @@ def _check(q, k, v, positions, k_cache, v_cache, slots, weights, dtype):
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "qwen2"])
 def test_matches_the_unfused_composition(device, dtype, tokens, q_heads, kv_heads, head_dim, block_size, qk_norm):
     """head_dim 96: a rotary half of 48 is not a power of two; 5 over 1: an odd GQA group;
-    6 over 4: q in two parts of 3 heads, narrower than k's tile; 700 and 701 tokens: programs
-    of several tokens, the last one ragged."""
+    6 over 4: q in two parts of 3 heads, one fewer than k's, so each q tile masks a head; 700
+    and 701 tokens: programs of several tokens, the last one ragged."""
     require_triton(device)
     inputs = _inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, device)
     weights = [randn(head_dim, dtype=dtype, device=device) for _ in range(2)] if qk_norm else []

@@ -27,7 +27,7 @@ _TRITON_MODULES = {
     "store_kvcache": "kv_cache",
     "qk_norm_rope_store": "qk_norm_rope",
     "paged_attention": "attention",
-    "gumbel_sample": "sampling",
+    "sample": "sampling",
 }
 
 

@@ -3,7 +3,7 @@ the projections and LM head of decode batches. At such sizes a matmul is a read 
 MB a projection, 1-3 us at HBM bandwidth, which cuBLAS's small-M kernels take ~6-7 us for.
 
 Programs own BLOCK_N output features and a run of K ("split-K"), so that even one row puts
-PROGRAMS_PER_SM programs on every SM; each multiplies its weight tiles with x^T on the
+PROGRAMS_PER_SM programs on every SM (see _splits); each multiplies its weight tiles with x^T on the
 tensor cores (the M side padded to 16, the smallest tl.dot takes; the padding is free next
 to the weight traffic). With one split a program stores its outputs; with several, each
 stores an fp32 partial and counts itself in at its feature tile's counter, and the last to
@@ -116,17 +116,25 @@ def _sm_count(device_index: int) -> int:
 @functools.cache
 def config_for(n: int, k: int, element_size: int, device_index: int, block_n: int = _BLOCK_N,
                block_k: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM, num_stages: int = 3) -> Config:
-    """Tiles of _TILE_BYTES of weight; K split into as many runs as keep the grid within
-    programs_per_sm programs an SM (one wave), none when the feature tiles alone fill it.
-    The keywords are for benchmarks/bench_gemv.py's sweep."""
+    """Tiles of _TILE_BYTES of weight; K split as _splits says. The keywords are for
+    benchmarks/bench_gemv.py's sweep."""
     block_k = block_k or max(16, _TILE_BYTES // (block_n * element_size))
     tiles, k_blocks = cdiv(n, block_n), max(1, cdiv(k, block_k))
-    wanted = min(k_blocks, programs_per_sm * _sm_count(device_index) // tiles) if tiles <= _MAX_TILES_SPLIT else 1
-    blocks_per_split = cdiv(k_blocks, max(1, wanted))
+    splits = _splits(tiles, k_blocks, programs_per_sm * _sm_count(device_index)) if tiles <= _MAX_TILES_SPLIT else 1
+    blocks_per_split = cdiv(k_blocks, splits)
     # A program holds its first tile in registers: more warps for larger tiles.
     num_warps = min(8, max(4, block_n * block_k * element_size // 4096))
     return Config(block_n, block_k, cdiv(k_blocks, blocks_per_split), blocks_per_split * block_k, num_warps,
                   num_stages)
+
+
+def _splits(tiles: int, k_blocks: int, slots: int) -> int:
+    """The fewest runs of K that minimise waves x (K blocks + 1) per program: the time of the
+    busiest SM when `slots` programs run at once and each takes as long as its blocks plus
+    one block's worth of fixed cost (start, epilogue, partials; an estimate). Qwen3-0.6B's
+    qkv at one row: 64 tiles of 8 blocks in 4 runs, one wave of 256 programs; Qwen3-8B's
+    gate_up: 384 tiles of 32 blocks in 2 runs, 3 waves, against 2 waves of 32 unsplit."""
+    return min(range(1, k_blocks + 1), key=lambda s: (cdiv(tiles * s, slots) * (cdiv(k_blocks, s) + 1), s))
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:

@@ -8,16 +8,6 @@ PROMPTS = ["The quick brown fox", "Hi", "She opened the book, read the first pag
 MAX_STEPS = 2000
 
 
-@pytest.fixture(scope="module")
-def llm(checkpoint, new_llm):
-    return new_llm(checkpoint("qwen3_tied"))
-
-
-@pytest.fixture(scope="module")
-def ref(reference):
-    return reference("qwen3_tied")
-
-
 def collect_finished(outputs, finished):
     """Record finished outputs by request id; a request must finish only once."""
     for out in outputs:

@@ -1,0 +1,109 @@
+"""Edges of the engine API: near-zero temperatures, array prompts, strict SamplingParams
+types, the max_model_len boundary, streaming through step() (pipelined, and while generate()
+runs) and the checkpoint's sampling defaults."""
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoints import copy_checkpoint
+from nanovllm import SamplingParams, kernels
+from nanovllm.engine.model_runner import SampledTokens
+from nanovllm.sampling_params import GREEDY_TEMPERATURE
+
+IDS_A = [5, 17, 3, 99, 42, 7]
+IDS_B = [200, 201, 33, 61, 9, 120]  # as long as IDS_A: the two make a 2-D array
+MAX_STEPS = 2000  # bounds step loops, so an engine that never finishes fails
+
+
+def token_ids(outs):
+    return [o["token_ids"] for o in outs]
+
+
+def stream(llm, streams=None) -> dict[int, list[dict]]:
+    """Steps until idle; every output of each request, in the order step() returned them."""
+    streams = {} if streams is None else streams
+    for _ in range(MAX_STEPS):
+        if llm.is_finished():
+            return streams
+        for out in llm.step():
+            streams.setdefault(out["request_id"], []).append(out)
+    raise AssertionError(f"engine not finished after {MAX_STEPS} steps")
+
+
+def assert_streamed_exactly(outs: list[dict], expected: list[int]) -> None:
+    """One output per token, in order, the last one final: nothing lost or repeated."""
+    assert [o["new_token_id"] for o in outs] == expected
+    assert [o["token_ids"] for o in outs] == [expected[:n] for n in range(1, len(expected) + 1)]
+    assert [o["finished"] for o in outs] == [False] * (len(expected) - 1) + [True]
+
+
+# ---- near-zero temperatures sample greedily on every path ----
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 20}, {"top_p": 0.9}], ids=["plain", "top_k", "top_p"])
+@pytest.mark.parametrize("temperature", [1e-40, 0.5 * GREEDY_TEMPERATURE])
+def test_tiny_temperature_is_greedy(llm, ref, temperature, filters):
+    # fp32 logits / 1e-40 overflow to inf: without the threshold every positive logit ties.
+    params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True, **filters)
+    # Seeded temperature-1 neighbours keep the batch's sampling path a real draw.
+    outs = llm.generate([IDS_A, IDS_B, IDS_A], [params, params, SamplingParams(seed=1, max_tokens=6)],
+                        use_tqdm=False)
+    assert token_ids(outs[:2]) == [ref(IDS_A, 6), ref(IDS_B, 6)]
+
+
+def test_temperatures_below_the_threshold_reach_the_sampler_as_zero(llm):
+    temperatures = [0.0, 1e-40, 0.999 * GREEDY_TEMPERATURE, GREEDY_TEMPERATURE, 0.7]
+    seqs = [SimpleNamespace(params=SamplingParams(temperature=t), num_output_tokens=0) for t in temperatures]
+    sent = llm.model_runner._sampling_tensors(seqs)[0].tolist()
+    assert sent[:3] == [0.0, 0.0, 0.0]
+    assert sent[3:] == pytest.approx(temperatures[3:], rel=1e-6)  # fp32 rounding of the values
+
+
+@pytest.mark.triton_interpret
+def test_tiny_temperature_is_greedy_in_the_triton_sampler(checkpoint, ref, new_llm):
+    assert kernels.backend_for("cpu") == "triton", "the Triton path silently fell back to PyTorch"
+    llm = new_llm(checkpoint("qwen3_tied"))
+    outs = llm.generate([IDS_A, IDS_B], SamplingParams(temperature=1e-40, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)
+    assert token_ids(outs) == [ref(IDS_A, 4), ref(IDS_B, 4)]
+
+
+# ---- SamplingParams: every field's type and range ----
+
+# (field, bad value)
+BAD_SAMPLING_PARAMS = [
+    ("temperature", "1"), ("temperature", True), ("temperature", None), ("temperature", -0.5),
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", 1 + 0j),
+    ("top_k", 1.0), ("top_k", True), ("top_k", "5"), ("top_k", 0), ("top_k", -2), ("top_k", None),
+    ("top_p", True), ("top_p", "0.9"), ("top_p", 0), ("top_p", 1.5), ("top_p", math.nan), ("top_p", -0.1),
+    ("min_p", True), ("min_p", "0.1"), ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan), ("min_p", None),
+    ("max_tokens", True), ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 8.0), ("max_tokens", "8"),
+    ("max_tokens", None),
+    ("ignore_eos", 1), ("ignore_eos", "yes"), ("ignore_eos", None),
+    ("stop_token_ids", 5), ("stop_token_ids", "12"), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]),
+    ("stop_token_ids", [True]), ("stop_token_ids", [1, None]), ("stop_token_ids", {3}),
+    ("seed", True), ("seed", "x"), ("seed", 1.5), ("seed", np.float64(2)),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_SAMPLING_PARAMS, ids=[f"{f}={v!r}" for f, v in BAD_SAMPLING_PARAMS])
+def test_bad_sampling_params_raise_naming_the_field(field, value):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    assert str(err.value).startswith(f"{field}: ")
+
+
+def test_sampling_params_take_integers_for_floats_and_numpy_scalars():
+    params = SamplingParams(temperature=1, top_k=np.int64(5), top_p=np.float32(0.5), min_p=0, max_tokens=np.int32(3),
+                            ignore_eos=np.bool_(True), stop_token_ids=(np.int64(4), 5), seed=np.uint8(7))
+    assert params == SamplingParams(temperature=1.0, top_k=5, top_p=0.5, min_p=0.0, max_tokens=3, ignore_eos=True,
+                                    stop_token_ids=[4, 5], seed=7)
+    stored = [params.temperature, params.top_k, params.top_p, params.min_p, params.max_tokens, params.ignore_eos,
+              *params.stop_token_ids, params.seed]
+    assert [type(v) for v in stored] == [float, int, float, float, int, bool, int, int, int]
+    assert SamplingParams(min_p=1).min_p == 1.0 and SamplingParams().min_p == 0.0
+

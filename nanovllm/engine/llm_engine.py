@@ -69,8 +69,9 @@ class LLMEngine:
         vocab = self.config.hf_config.vocab_size
         if not all(0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens exceed max_model_len={self.config.max_model_len}")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room for any output under "
+                             f"max_model_len={self.config.max_model_len} (prompt + output <= max_model_len)")
         return token_ids
 
     def _new_sequence(self, prompt, params: SamplingParams | None) -> Sequence:

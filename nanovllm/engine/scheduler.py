@@ -149,7 +149,8 @@ class Scheduler:
         return "length" if self._ends_by_length(seq, position) else None
 
     def _ends_by_length(self, seq: Sequence, position: int) -> bool:
-        """Whether a token at `position` is the last its sequence may have."""
+        """Whether a token at `position` is the last its sequence may have: its output reaches
+        max_tokens, or prompt and output together reach max_model_len."""
         return position + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or position + 1 >= self.max_model_len
 
     def finish(self, seq: Sequence, reason: str) -> None:

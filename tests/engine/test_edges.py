@@ -107,3 +107,35 @@ def test_sampling_params_take_integers_for_floats_and_numpy_scalars():
     assert [type(v) for v in stored] == [float, int, float, float, int, bool, int, int, int]
     assert SamplingParams(min_p=1).min_p == 1.0 and SamplingParams().min_p == 0.0
 
+
+# ---- max_model_len: prompt + output <= max_model_len ----
+
+MAX_MODEL_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def short_llm(checkpoint, new_llm):
+    return new_llm(checkpoint("qwen3_tied"), max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize(("prompt_len", "max_tokens", "expected"),
+                         [(MAX_MODEL_LEN - 1, 10, 1), (MAX_MODEL_LEN - 3, 10, 3), (MAX_MODEL_LEN - 3, 2, 2)])
+def test_output_ends_when_the_sequence_reaches_max_model_len(prompt_len, max_tokens, expected, short_llm, ref,
+                                                             greedy, random_ids):
+    prompt = random_ids(prompt_len, seed=prompt_len)
+    (out,) = short_llm.generate([prompt], greedy(max_tokens), use_tqdm=False)
+    assert out["token_ids"] == ref(prompt, expected) and out["finish_reason"] == "length"
+    request = short_llm.add_request(prompt, greedy(max_tokens))
+    (final,) = [o for o in stream(short_llm)[request] if o["finished"]]
+    assert final["token_ids"] == ref(prompt, expected) and final["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("prompt_len", [MAX_MODEL_LEN, MAX_MODEL_LEN + 1])
+def test_prompt_of_max_model_len_or_more_is_rejected(prompt_len, short_llm, greedy, random_ids):
+    prompt = random_ids(prompt_len, seed=prompt_len)
+    with pytest.raises(ValueError, match=r"^prompt: .*no room for any output"):
+        short_llm.generate([prompt], greedy(1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt: .*no room for any output"):
+        short_llm.add_request(prompt, greedy(1))
+    assert short_llm.is_finished()
+

@@ -7,6 +7,8 @@ import os
 import time
 from collections import deque
 
+import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
@@ -62,8 +64,15 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model folder has no tokenizer; pass token ids")
             token_ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (np.ndarray, torch.Tensor)):
+            if prompt.ndim != 1 or not _integer_array(prompt):
+                raise ValueError(f"prompt: an array of token ids must be 1-D and integer, "
+                                 f"got shape {tuple(prompt.shape)} of {prompt.dtype}")
+            token_ids = prompt.tolist()
+        elif isinstance(prompt, (list, tuple)):
             token_ids = [_as_int(t) for t in prompt]
+        else:
+            raise ValueError(f"prompt: expected a string or token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt: is empty")
         vocab = self.config.hf_config.vocab_size
@@ -81,7 +90,8 @@ class LLMEngine:
         return Sequence(next(self._request_ids), self._prompt_token_ids(prompt), params)
 
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
-        """Queues one prompt (a string or token ids); returns its request id."""
+        """Queues one prompt (a string, a list of token ids or a 1-D integer array or tensor);
+        returns its request id."""
         seq = self._new_sequence(prompt, params)
         self.scheduler.add(seq)
         return seq.request_id
@@ -144,10 +154,11 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
-        """Runs every prompt to completion; outputs in input order. All prompts are checked
-        before any is queued, so a bad one leaves the engine untouched."""
-        if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], (str, list, tuple))):
-            prompts = [prompts]  # one prompt, a string or a list of token ids
+        """Runs every prompt to completion; outputs in input order. `prompts`: one prompt or a
+        list of them (see split_prompts). `sampling_params`: one SamplingParams for all, a list
+        of one per prompt, or None for the defaults. All prompts are checked before any is
+        queued, so a bad one leaves the engine untouched."""
+        prompts = split_prompts(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError("sampling_params: needs one entry per prompt")
@@ -211,9 +222,46 @@ class LLMEngine:
                 **self.model_runner.memory_stats()}
 
 
-def _as_int(token) -> int:
-    """A token id of any integer type (int, numpy or torch integers)."""
+def split_prompts(prompts) -> list:
+    """generate()'s `prompts` as a list of single prompts. One prompt is a string, a list of
+    token ids or a 1-D integer array or tensor; a batch is a non-empty list of prompts or a 2-D
+    integer array or tensor (a prompt per row)."""
+    if isinstance(prompts, (np.ndarray, torch.Tensor)):
+        batch = [prompts] if prompts.ndim == 1 else list(prompts) if prompts.ndim == 2 else None
+    elif isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(map(_is_token_id, prompts)):
+        batch = [prompts]
+    else:
+        batch = prompts
+    if not isinstance(batch, (list, tuple)) or not batch or not all(map(_is_prompt, batch)):
+        raise ValueError("prompts: expected a prompt (a string, token ids, a 1-D integer array or tensor), "
+                         "a non-empty list of prompts or a 2-D integer array or tensor")
+    return list(batch)
+
+
+def _integer_array(array) -> bool:
+    if isinstance(array, torch.Tensor):
+        return not (array.dtype.is_floating_point or array.dtype.is_complex or array.dtype == torch.bool)
+    return np.issubdtype(array.dtype, np.integer)
+
+
+def _is_token_id(token) -> bool:
+    """Any integer (Python, numpy, a 0-d array or tensor) but a bool."""
+    if isinstance(token, bool) or getattr(token, "ndim", 0):  # torch.tensor([3]) has an __index__
+        return False
     try:
-        return operator.index(token)
+        operator.index(token)
     except TypeError:
-        raise ValueError(f"prompt: token ids must be integers, got {token!r}") from None
+        return False
+    return True
+
+
+def _is_prompt(prompt) -> bool:
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        return prompt.ndim == 1 and _integer_array(prompt)
+    return isinstance(prompt, (str, list, tuple))
+
+
+def _as_int(token) -> int:
+    if not _is_token_id(token):
+        raise ValueError(f"prompt: token ids must be integers, got {token!r}")
+    return operator.index(token)

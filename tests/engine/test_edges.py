@@ -72,6 +72,71 @@ def test_tiny_temperature_is_greedy_in_the_triton_sampler(checkpoint, ref, new_l
     assert token_ids(outs) == [ref(IDS_A, 4), ref(IDS_B, 4)]
 
 
+# ---- array prompts ----
+
+ARRAY_MAKERS = {
+    "numpy": np.array,
+    "numpy_int32": lambda ids: np.array(ids, dtype=np.int32),
+    "torch": torch.tensor,
+    "torch_int32": lambda ids: torch.tensor(ids, dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("kind", ARRAY_MAKERS)
+def test_array_prompts(kind, llm, ref, greedy):
+    make = ARRAY_MAKERS[kind]
+    a, b = ref(IDS_A, 3), ref(IDS_B, 3)
+    assert token_ids(llm.generate(make(IDS_A), greedy(3), use_tqdm=False)) == [a]
+    assert token_ids(llm.generate([make(IDS_A), make(IDS_B)], greedy(3), use_tqdm=False)) == [a, b]
+    assert token_ids(llm.generate(make([IDS_A, IDS_B]), greedy(3), use_tqdm=False)) == [a, b]
+    assert token_ids(llm.generate((make(IDS_B), IDS_A), greedy(3), use_tqdm=False)) == [b, a]
+    # One-token arrays in a list are prompts, not token ids.
+    singles = [IDS_A[:1], IDS_B[:1]]
+    assert token_ids(llm.generate([make(p) for p in singles], greedy(3), use_tqdm=False)) == [ref(p, 3) for p in singles]
+    request = llm.add_request(make(IDS_B), greedy(3))
+    assert stream(llm)[request][-1]["token_ids"] == b
+
+
+def test_token_ids_of_numpy_integer_type_are_one_prompt(llm, ref, greedy):
+    outs = llm.generate([np.int64(t) for t in IDS_A], greedy(3), use_tqdm=False)
+    assert token_ids(outs) == [ref(IDS_A, 3)]
+
+
+BAD_PROMPTS = {
+    "array_3d": np.zeros((1, 2, 3), dtype=np.int64),
+    "array_0d": np.array(5),
+    "float_array": np.array([1.0, 2.0]),
+    "float_tensor": torch.tensor([1.0, 2.0]),
+    "bool_tensor": torch.tensor([True, False]),
+    "empty_batch": [],
+    "empty_2d_array": np.zeros((0, 4), dtype=np.int64),
+    "ids_and_text": [1, "a"],
+    "ids_and_lists": [[1, 2], 3],
+    "batch_with_2d_array": [np.array([[1, 2]])],
+    "batch_with_float_array": [np.array([1, 2]), np.array([1.5])],
+    "bools": [True, False],
+    "ids_and_tensors": [3, torch.tensor([4])],
+    "none": None,
+    "int": 5,
+    "dict": {"prompt": [1, 2]},
+}
+
+
+@pytest.mark.parametrize("name", BAD_PROMPTS)
+def test_bad_prompts_raise_naming_prompts(name, llm, greedy):
+    with pytest.raises(ValueError, match=r"^prompts: "):
+        llm.generate(BAD_PROMPTS[name], greedy(3), use_tqdm=False)
+    assert llm.is_finished()
+
+
+@pytest.mark.parametrize("prompt", [np.array([[1, 2]]), np.array([1.5]), torch.tensor([True]), 7, None, [1, True]],
+                         ids=["2d", "float", "bool", "int", "none", "bool_id"])
+def test_bad_online_prompt_raises_naming_prompt(prompt, llm, greedy):
+    with pytest.raises(ValueError, match=r"^prompt: "):
+        llm.add_request(prompt, greedy(3))
+    assert llm.is_finished()
+
+
 # ---- SamplingParams: every field's type and range ----
 
 # (field, bad value)

@@ -49,10 +49,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, eos_token_ids(self.config, self.tokenizer),
                                    self.model_runner.num_kvcache_blocks)
         self._request_ids = itertools.count()
-        # Outputs of online requests that finished inside generate(), for the next step() call.
+        # Outputs of online requests recorded but not yet returned by step(), in order.
         self._undelivered: list[dict] = []
-        # Steps launched on the device whose tokens are not recorded yet, oldest first: generate()
-        # keeps one here while it prepares the next. A step leaves only once recorded, so an
+        # Steps launched on the device whose tokens are not recorded yet, oldest first: one stays
+        # here between steps while the next is prepared. A step leaves only once recorded, so an
         # interrupt while waiting for its tokens loses nothing.
         self._in_flight: deque[tuple[ScheduledBatch, SampledTokens]] = deque()
         self.last_step_tokens = (0, 0)  # (prefill, decode) tokens computed by the last step
@@ -97,7 +97,8 @@ class LLMEngine:
         return seq.request_id
 
     def abort(self, request_id: int) -> bool:
-        """Drops a request and frees its cache blocks; False if it is not queued or running."""
+        """Drops a request and frees its cache blocks; False if it is not queued or running. A
+        token of it still in flight on the device is dropped when it arrives."""
         return self.scheduler.abort(request_id) is not None
 
     def is_finished(self) -> bool:
@@ -105,16 +106,24 @@ class LLMEngine:
 
     # --- steps -------------------------------------------------------------------------------
     def step(self) -> list[dict]:
-        """Runs one batch (first, a step an interrupted generate() left in flight). Returns an
-        output for every request that received a token (and for online requests that finished
-        while generate() ran)."""
-        new = []
-        if not self._in_flight and not self.scheduler.is_finished() and not self._launch():
+        """Queues the next step on the device, then records the one queued before it, so a loop
+        of step() calls keeps the device busy as generate() does. Returns an output for every
+        request that received a token in the recorded step, after those still undelivered from
+        earlier steps (generate() runs online requests too, and leaves their outputs here)."""
+        self._advance(set(), {})
+        outputs, self._undelivered = self._undelivered, []  # after the step: kept if it raised
+        return outputs
+
+    def _advance(self, own: set, finished: dict) -> None:
+        """Launches the next step if one can run, then records every step launched before it:
+        step N + 1 is queued before step N's tokens are read, so the device does not wait for
+        the host between steps. Requests in `own` (a generate() call's) land in `finished` when they finish; every other
+        request that receives a token gets an output in `_undelivered`, for step()."""
+        launched = not self.scheduler.is_finished() and self._launch()
+        if not launched and not self._in_flight and not self.scheduler.is_finished():
             raise RuntimeError("scheduler produced an empty step while requests are pending")
-        if self._in_flight:
-            new = self._collect_oldest()
-        undelivered, self._undelivered = self._undelivered, []  # after the step: kept if it raised
-        return undelivered + new
+        while len(self._in_flight) > launched:
+            self._collect_oldest(own, finished)
 
     def _launch(self) -> bool:
         """Schedules a batch and queues it on the device; False if nothing can run until the
@@ -128,15 +137,18 @@ class LLMEngine:
         self._in_flight.append((batch, sampled))
         return True
 
-    def _collect_oldest(self, finished_only: bool = False) -> list[dict]:
-        """Waits for the oldest launched step's tokens and records them; outputs of the requests
-        that received one, or with `finished_only` of those that finished (copying every
-        running request's tokens each step costs)."""
+    def _collect_oldest(self, own: set, finished: dict) -> None:
+        """Waits for the oldest launched step's tokens and records them. Outputs of `own`
+        requests are built only once they finish: copying every running request's tokens
+        each step costs."""
         batch, sampled = self._in_flight[0]
         tokens = sampled.tolist()  # the wait: interrupted here, the step stays queued
         self._in_flight.popleft()
-        received = self.scheduler.postprocess(batch, tokens)
-        return [self._output(seq) for seq in received if seq.is_finished or not finished_only]
+        for seq, position in self.scheduler.postprocess(batch, tokens):
+            if seq.request_id not in own:
+                self._undelivered.append(self._output(seq, position))
+            elif seq.is_finished:
+                finished[seq.request_id] = self._output(seq, position)
 
     @staticmethod
     def _count_tokens(batch: ScheduledBatch) -> tuple[int, int]:
@@ -144,9 +156,10 @@ class LLMEngine:
                      if n == 1 and seq.num_computed_tokens + 1 == len(seq) > seq.num_prompt_tokens)
         return sum(batch.num_new_tokens) - decode, decode
 
-    def _output(self, seq: Sequence) -> dict:
-        token_ids, finished = seq.output_token_ids, seq.is_finished
-        return {"request_id": seq.request_id, "token_ids": token_ids, "new_token_id": seq.token_ids[-1],
+    def _output(self, seq: Sequence, position: int) -> dict:
+        """The request's state once its token at `position` is in."""
+        token_ids, finished = seq.token_ids[seq.num_prompt_tokens:position + 1], seq.is_finished
+        return {"request_id": seq.request_id, "token_ids": token_ids, "new_token_id": seq.token_ids[position],
                 "finished": finished, "finish_reason": seq.finish_reason,
                 "text": self.decode(token_ids) if finished else ""}
 
@@ -177,32 +190,18 @@ class LLMEngine:
         return [{key: outputs[seq.request_id][key] for key in ("text", "token_ids", "finish_reason")} for seq in seqs]
 
     def _run_until_done(self, outputs: dict, own: set, use_tqdm: bool) -> None:
-        """Steps until every request in `own` has finished (online requests run alongside;
-        their outputs wait for step()). Step N + 1 is scheduled and queued before step N's
-        tokens are read, so the device never waits for the host between steps."""
+        """Steps until every request in `own` has finished; online requests run alongside and
+        their outputs wait for step()."""
         with tqdm(total=len(own), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             try:
                 while len(outputs) < len(own):
                     started = time.perf_counter()
-                    launched = not self.scheduler.is_finished() and self._launch()
-                    if not launched and not self._in_flight:
-                        if self.scheduler.is_finished():
-                            break
-                        raise RuntimeError("scheduler produced an empty step while requests are pending")
-                    while len(self._in_flight) > (1 if launched else 0):
-                        self._deliver(self._collect_oldest(finished_only=True), outputs, own, bar)
+                    self._advance(own, outputs)
+                    bar.update(len(outputs) - bar.n)
                     self._show_throughput(bar, time.perf_counter() - started)
             finally:
                 while self._in_flight:  # nothing launched is left unrecorded, even on an error
-                    self._deliver(self._collect_oldest(finished_only=True), outputs, own, bar)
-
-    def _deliver(self, finished: list[dict], outputs: dict, own: set, bar) -> None:
-        for out in finished:
-            if out["request_id"] not in own:
-                self._undelivered.append(out)
-            else:
-                outputs[out["request_id"]] = out
-                bar.update(1)
+                    self._collect_oldest(own, outputs)
 
     def _show_throughput(self, bar, seconds: float) -> None:
         prefill, decode = self.last_step_tokens

@@ -114,9 +114,10 @@ class Scheduler:
             if not self._ends_by_length(seq, len(seq)):
                 seq.append_token(PLACEHOLDER)
 
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[tuple[Sequence, int]]:
         """Records a launched batch's sampled tokens (in `sample_rows` order) and makes the blocks
-        it filled findable. Returns the sequences that received a token: not those that finished
+        it filled findable. Returns the sequences that received a token, each with the token's
+        position (placeholders of steps launched since may follow it); not those that finished
         or were aborted while the step ran."""
         for seq, num_new, before, table in zip(batch.seqs, batch.num_new_tokens, batch.computed_before,
                                                batch.block_tables):
@@ -129,7 +130,7 @@ class Scheduler:
             seq = batch.seqs[row]
             if not seq.is_finished:
                 self._record_token(seq, position, token)
-                received.append(seq)
+                received.append((seq, position))
         return received
 
     def _record_token(self, seq: Sequence, position: int, token: int) -> None:

@@ -204,3 +204,61 @@ def test_prompt_of_max_model_len_or_more_is_rejected(prompt_len, short_llm, gree
         short_llm.add_request(prompt, greedy(1))
     assert short_llm.is_finished()
 
+
+# ---- streaming through step() ----
+
+
+def test_step_keeps_one_step_in_flight(checkpoint, new_llm, monkeypatch, greedy):
+    """Each step() queues the next step on the device before it reads the tokens of the one
+    queued before, as generate() does."""
+    llm = new_llm(checkpoint("qwen3_tied"))
+    events = []
+    launch, tolist = llm.model_runner.launch, SampledTokens.tolist
+    monkeypatch.setattr(llm.model_runner, "launch", lambda batch: events.append("launch") or launch(batch))
+    monkeypatch.setattr(SampledTokens, "tolist", lambda self: events.append("read") or tolist(self))
+    llm.add_request(IDS_A, greedy(4))
+    per_call, outputs = [], []
+    while not llm.is_finished():
+        events.clear()
+        outputs.append([o["new_token_id"] for o in llm.step()])
+        per_call.append(list(events))
+    # The fourth token ends the request by length: nothing is launched after it.
+    assert per_call == [["launch"], ["launch", "read"], ["launch", "read"], ["launch", "read"], ["read"]]
+    assert outputs == [[], *([t] for t in llm.generate([IDS_A], greedy(4), use_tqdm=False)[0]["token_ids"])]
+
+
+def test_streamed_tokens_arrive_in_order_exactly_once(llm, ref, greedy):
+    lengths = {0: 9, 1: 4, 2: 12}
+    prompts = [IDS_A, IDS_B, [7, 8, 9]]
+    requests = {llm.add_request(prompts[i], greedy(n)): i for i, n in lengths.items()}
+    streams = stream(llm)
+    for request, i in requests.items():
+        assert_streamed_exactly(streams[request], ref(prompts[i], lengths[i]))
+
+
+def test_online_tokens_produced_inside_generate_reach_step(llm, ref, greedy):
+    online = llm.add_request(IDS_A, greedy(10))
+    streams = {}
+    for out in llm.step() + llm.step():
+        streams.setdefault(out["request_id"], []).append(out)
+    # generate() runs the online request alongside its own; its tokens wait for step().
+    assert token_ids(llm.generate([IDS_B], greedy(4), use_tqdm=False)) == [ref(IDS_B, 4)]
+    stream(llm, streams)
+    assert set(streams) == {online}
+    assert_streamed_exactly(streams[online], ref(IDS_A, 10))
+
+
+def test_abort_between_pipelined_steps_drops_the_token_in_flight(llm, ref, greedy):
+    aborted = llm.add_request(IDS_A, greedy(20))
+    kept = llm.add_request(IDS_B, greedy(6))
+    streams = {}
+    for _ in range(3):
+        for out in llm.step():
+            streams.setdefault(out["request_id"], []).append(out)
+    assert len(streams[aborted]) == 2  # a third token is in flight
+    assert llm.abort(aborted) and not llm.abort(aborted)
+    stream(llm, streams)
+    assert len(streams[aborted]) == 2
+    assert_streamed_exactly(streams[kept], ref(IDS_B, 6))
+    assert llm.memory_stats()["kv_blocks_used"] == 0
+

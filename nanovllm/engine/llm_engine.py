@@ -29,24 +29,47 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def eos_token_ids(config: Config, tokenizer) -> list[int]:
+def read_generation_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def eos_token_ids(config: Config, generation_config: dict, tokenizer) -> list[int]:
     ids = set(config.hf_config.eos_token_id)
-    generation_config = os.path.join(config.model, "generation_config.json")
-    if os.path.isfile(generation_config):
-        with open(generation_config) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
+    eos = generation_config.get("eos_token_id")
+    ids.update([eos] if isinstance(eos, int) else eos or [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The checkpoint's recommended sampling: the SamplingParams fields its generation config
+    sets. top_k 0 is transformers' "no top-k", -1 here."""
+    defaults = {name: generation_config[name] for name in ("temperature", "top_k", "top_p", "min_p")
+                if generation_config.get(name) is not None}
+    if defaults.get("top_k") == 0:
+        defaults["top_k"] = -1
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"generation_config: generation_config.json's sampling defaults are invalid ({exc}); "
+                         "generation_config='none' ignores them") from None
+    return defaults
 
 
 class LLMEngine:
     def __init__(self, model: str, **engine_args):
         self.config = Config(model, **engine_args)
         self.tokenizer = load_tokenizer(model)
+        generation_config = read_generation_config(model)
+        # SamplingParams(**sampling_defaults) serves requests that bring no SamplingParams.
+        self.sampling_defaults = sampling_defaults(generation_config) if self.config.generation_config == "auto" else {}
         self.model_runner = ModelRunner(self.config)
-        self.scheduler = Scheduler(self.config, eos_token_ids(self.config, self.tokenizer),
+        self.scheduler = Scheduler(self.config, eos_token_ids(self.config, generation_config, self.tokenizer),
                                    self.model_runner.num_kvcache_blocks)
         self._request_ids = itertools.count()
         # Outputs of online requests recorded but not yet returned by step(), in order.
@@ -84,14 +107,14 @@ class LLMEngine:
         return token_ids
 
     def _new_sequence(self, prompt, params: SamplingParams | None) -> Sequence:
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else SamplingParams(**self.sampling_defaults)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         return Sequence(next(self._request_ids), self._prompt_token_ids(prompt), params)
 
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
         """Queues one prompt (a string, a list of token ids or a 1-D integer array or tensor);
-        returns its request id."""
+        returns its request id. Without `params`, the checkpoint's sampling defaults apply."""
         seq = self._new_sequence(prompt, params)
         self.scheduler.add(seq)
         return seq.request_id
@@ -169,8 +192,8 @@ class LLMEngine:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
         """Runs every prompt to completion; outputs in input order. `prompts`: one prompt or a
         list of them (see split_prompts). `sampling_params`: one SamplingParams for all, a list
-        of one per prompt, or None for the defaults. All prompts are checked before any is
-        queued, so a bad one leaves the engine untouched."""
+        of one per prompt, or None for the checkpoint's defaults. All prompts are checked
+        before any is queued, so a bad one leaves the engine untouched."""
         prompts = split_prompts(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):

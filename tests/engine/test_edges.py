@@ -262,3 +262,57 @@ def test_abort_between_pipelined_steps_drops_the_token_in_flight(llm, ref, greed
     assert_streamed_exactly(streams[kept], ref(IDS_B, 6))
     assert llm.memory_stats()["kv_blocks_used"] == 0
 
+
+# ---- the checkpoint's sampling defaults (generation_config.json) ----
+
+
+def checkpoint_with_generation_config(checkpoint, tmp_path, **fields):
+    path = copy_checkpoint(checkpoint("qwen3_tied"), tmp_path / "ckpt")
+    file = path / "generation_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **fields}))
+    return path
+
+
+RECOMMENDED = dict(temperature=0.6, top_k=20, top_p=0.95, min_p=0.05)
+
+
+def test_sampling_defaults_read_from_generation_config(checkpoint, tmp_path, new_llm):
+    path = checkpoint_with_generation_config(checkpoint, tmp_path, do_sample=True, repetition_penalty=1.1,
+                                             max_new_tokens=5, **RECOMMENDED)
+    assert new_llm(path).sampling_defaults == RECOMMENDED
+    assert new_llm(path, generation_config="none").sampling_defaults == {}
+    assert new_llm(checkpoint("qwen3_tied")).sampling_defaults == {}
+    path.joinpath("generation_config.json").unlink()
+    assert new_llm(path).sampling_defaults == {}
+
+
+def test_generation_config_top_k_zero_means_off(checkpoint, tmp_path, new_llm):
+    path = checkpoint_with_generation_config(checkpoint, tmp_path, top_k=0, top_p=None)
+    assert new_llm(path).sampling_defaults == {"top_k": -1}
+
+
+def test_bad_generation_config(checkpoint, tmp_path, new_llm):
+    with pytest.raises(ValueError, match=r"^generation_config: "):
+        new_llm(checkpoint("qwen3_tied"), generation_config="vllm")
+    path = checkpoint_with_generation_config(checkpoint, tmp_path, top_p=1.5)
+    with pytest.raises(ValueError, match=r"^generation_config: .*top_p"):
+        new_llm(path)
+    assert new_llm(path, generation_config="none").sampling_defaults == {}
+
+
+def test_requests_without_sampling_params_use_the_defaults(checkpoint, tmp_path, new_llm, ref):
+    # Greedy by default: no SamplingParams gives transformers' tokens up to EOS, 64 at most.
+    llm = new_llm(checkpoint_with_generation_config(checkpoint, tmp_path, temperature=0.0))
+    expected = ref(IDS_A, 64)
+    eos = ref.tokenizer.eos_token_id
+    expected = expected[:expected.index(eos) + 1] if eos in expected else expected
+    (out,) = llm.generate(IDS_A, use_tqdm=False)
+    assert out["token_ids"] in (expected, expected[:-1])
+    request = llm.add_request(IDS_A)
+    assert stream(llm)[request][-1]["token_ids"] == out["token_ids"]
+    # An explicit SamplingParams is taken as given, not merged with the defaults.
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    plain = new_llm(checkpoint("qwen3_tied"))
+    (explicit,) = llm.generate(IDS_A, sampled, use_tqdm=False)
+    assert explicit["token_ids"] == plain.generate(IDS_A, sampled, use_tqdm=False)[0]["token_ids"]
+    assert explicit["token_ids"] != ref(IDS_A, 8), "seed 5 samples the greedy tokens: pick another"

@@ -316,3 +316,40 @@ def test_requests_without_sampling_params_use_the_defaults(checkpoint, tmp_path,
     (explicit,) = llm.generate(IDS_A, sampled, use_tqdm=False)
     assert explicit["token_ids"] == plain.generate(IDS_A, sampled, use_tqdm=False)[0]["token_ids"]
     assert explicit["token_ids"] != ref(IDS_A, 8), "seed 5 samples the greedy tokens: pick another"
+
+
+# ---- on a GPU: the Triton sampler and CUDA graphs ----
+
+
+@pytest.fixture(scope="module")
+def gpu_llm(checkpoint, new_llm):
+    return new_llm(checkpoint("qwen3_tied"), device="cuda", enforce_eager=False)
+
+
+@pytest.mark.gpu
+def test_tiny_temperature_is_greedy_on_the_gpu(gpu_llm, greedy):
+    prompts = [IDS_A, IDS_B, list(range(40, 140))]
+    expected = token_ids(gpu_llm.generate(prompts, greedy(8), use_tqdm=False))
+    params = SamplingParams(temperature=1e-40, max_tokens=8, ignore_eos=True)
+    assert token_ids(gpu_llm.generate(prompts, params, use_tqdm=False)) == expected
+
+
+@pytest.mark.gpu
+def test_pipelined_step_loop_on_the_gpu(gpu_llm, greedy):
+    """Decode inputs come from the step in flight, through CUDA graphs; an abort between
+    steps drops its in-flight token and frees its blocks."""
+    prompts, lengths = [IDS_A, IDS_B, list(range(40, 140)), [7, 8, 9]], [20, 9, 14, 30]
+    expected = token_ids(gpu_llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False))
+    requests = [gpu_llm.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
+    streams = {}
+    for _ in range(4):
+        for out in gpu_llm.step():
+            streams.setdefault(out["request_id"], []).append(out)
+    aborted = requests.pop()
+    received = len(streams[aborted])
+    assert gpu_llm.abort(aborted)
+    stream(gpu_llm, streams)
+    assert len(streams[aborted]) == received
+    for request, tokens in zip(requests, expected):
+        assert_streamed_exactly(streams[request], tokens)
+    assert gpu_llm.memory_stats()["kv_blocks_used"] == 0

@@ -13,14 +13,13 @@ measured in the same run (read + write). Also checks each GEMV result against cu
 pipeline stages) on the Qwen3-0.6B shapes at --sweep-rows rows."""
 import argparse
 import itertools
-import json
 import os
 
 import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-from benchmarks.bench_latency import CONFIGS, copy_rate_gbs
+from benchmarks.bench_latency import CONFIGS, copy_rate_gbs, write_json
 from nanovllm import kernels
 from nanovllm.config import ModelConfig
 
@@ -124,11 +123,7 @@ def main():
               "compare": compare(copy_gbs)}
     if args.sweep:
         result["sweep"] = sweep(copy_gbs, args.sweep_rows)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "gemv.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    print(f"wrote {write_json(result, args.out, 'gemv.json')}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 the projections and LM head of decode batches. At such sizes a matmul is a read of W: a few
 MB a projection, 1-3 us at HBM bandwidth, which cuBLAS's small-M kernels take ~6-7 us for.
 
-Programs own BLOCK_N output features and a run of K ("split-K"), so that even one row puts
-PROGRAMS_PER_SM programs on every SM (see _splits); each multiplies its weight tiles with x^T on the
-tensor cores (the M side padded to 16, the smallest tl.dot takes; the padding is free next
-to the weight traffic). With one split a program stores its outputs; with several, each
+Programs own BLOCK_N output features and a run of K ("split-K", as many runs as _splits
+finds best), so that even one row keeps every SM busy; each multiplies its weight tiles
+with x^T on the tensor cores (the M side padded to 16, the smallest tl.dot takes; the
+padding is free next to the weight traffic). With one split a program stores its outputs; with several, each
 stores an fp32 partial and counts itself in at its feature tile's counter, and the last to
 arrive adds the partials in split order (the sum does not depend on which program finishes
 last), adds the bias, stores the output and sets the counter back to 0 for the next call:

@@ -117,6 +117,10 @@ def test_cuda_graph_capture():
     assert not _gemv()._arrival_counters(torch.device("cuda")).any()
 
 
+def test_the_boundary_and_the_kernel_agree_on_the_row_limit():
+    assert kernels.GEMV_MAX_ROWS == _gemv().MAX_ROWS
+
+
 def test_linear_keeps_f_linear_on_the_cpu():
     """Where no GEMV runs, kernels.linear is F.linear itself, bit for bit."""
     x, weight, bias = torch.randn(3, 20), torch.randn(7, 20), torch.randn(7)

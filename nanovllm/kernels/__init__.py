@@ -3,11 +3,11 @@
 PyTorch reference, as `dispatch` decides."""
 import torch
 
-from nanovllm.kernels.benchmark import benchmark_kernel
 from nanovllm.kernels.dispatch import KERNELS_AVAILABLE, backend_for, implementation
+from nanovllm.utils.timing import benchmark_kernel  # noqa: F401  (importable from here too; not a kernel)
 
 __all__ = [
-    "KERNELS_AVAILABLE", "backend_for", "benchmark_kernel", "graph_capturable",
+    "KERNELS_AVAILABLE", "backend_for", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
     "gumbel_sample",

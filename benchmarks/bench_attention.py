@@ -1,9 +1,9 @@
-"""Benchmarks nanovllm's Triton paged attention on one GPU in bf16 (issue #4): prefill against
-PyTorch SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path,
+"""Benchmarks nanovllm's Triton paged attention on one GPU in bf16: prefill against PyTorch
+SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path, split,
 block-size and tile sweeps, compile time. Every configuration is checked against the PyTorch
 reference before it is timed. Writes bench_attention.json and bench_attention.md into --out.
 
-    python benchmarks/bench_attention.py --out DIR
+    python -m benchmarks.bench_attention --out DIR
 """
 import argparse
 import json
@@ -13,8 +13,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HEADS, HEAD_DIM = (16, 8), 128
 PREFILL = dict(name="prefill 8 x 2048", query_lens=[2048] * 8, seq_lens=[2048] * 8)
@@ -94,27 +92,18 @@ class Bench:
         import triton
         import triton.testing
         from nanovllm.kernels import attention, reference
-        self.torch, self.triton, self.attention, self.reference = torch, triton, attention, reference
+        from nanovllm.utils import timing
+        self.torch, self.triton, self.attention, self.reference, self.timing = torch, triton, attention, reference, timing
         self.block_size = block_size
         self.device = torch.device("cuda")
         self.gen = torch.Generator(device=self.device).manual_seed(0)
-        self.copy_gbps = self._copy_bandwidth()
+        self.copy_gbps = timing.device_copy_gbs(self.device)
 
     def time_ms(self, fn, calls_per_graph: int = 10) -> float:
         """Median time of one call, from CUDA-graph replays of `calls_per_graph` calls (L2
         flushed before each replay): no host launch overhead, as in the engine's decode graphs,
         where a small decode batch would otherwise time Python, not the kernel."""
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls_per_graph):
-                fn()
+        graph, _ = self.timing.capture(fn, calls_per_graph, warmup=3)
         ms = self.triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
         return ms / calls_per_graph
 
@@ -124,13 +113,6 @@ class Bench:
         return {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
                 "triton": self.triton.__version__, "copy_bandwidth_GBps": round(self.copy_gbps, 1),
                 "headline_block_size": self.block_size}
-
-    def _copy_bandwidth(self) -> float:
-        src = self.torch.empty(1 << 30, dtype=self.torch.uint8, device=self.device)
-        dst = self.torch.empty_like(src)
-        # Eager: a copy replayed from a graph ran at 2.6 TB/s where this gives 4.25 (H200).
-        ms = self.triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-        return 2 * src.numel() / ms / 1e6  # read + write
 
     # --- workloads ---------------------------------------------------------------------------
 

@@ -87,7 +87,7 @@ def test_bf16_agrees_with_fp32_transformers_up_to_near_ties(checkpoint, hf_model
 
 
 def hf_greedy_continuation(model, prompt, tokens) -> list[int]:
-    """fp32 greedy choice at each position given our own previous tokens (teacher forcing)."""
+    """fp32 greedy choice at each position given the engine's own previous tokens (teacher forcing)."""
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0]
     return logits[len(prompt) - 1:-1].argmax(-1).tolist()

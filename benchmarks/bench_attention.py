@@ -39,7 +39,6 @@ PREFILL_TILES = [(128, 64, 8, 5, False), (128, 64, 8, 6, True), (128, 64, 8, 3, 
 DECODE_TILES = [(16, 64, 4, 5, False), (16, 64, 4, 5, True), (16, 128, 4, 4, True), (16, 128, 4, 3, False),
                 (16, 32, 4, 8, False)]
 TOLERANCE = 2e-2  # bf16 output against the fp32 reference, relative Frobenius error
-TARGETS = {"prefill_vs_sdpa": 0.8, "decode_bandwidth_fraction": 0.7, "decode_vs_torch": 3.0}
 
 
 def parse_args():
@@ -187,8 +186,7 @@ class Bench:
         sdpa = self.sdpa_prefill(w, out)
         best = min(sdpa.values(), key=lambda r: r["ms"])
         return {"workload": PREFILL["name"], "ms": ms, "tflops": flops / ms / 1e9, "sdpa": sdpa,
-                "sdpa_best_ms": best["ms"], "speed_vs_sdpa": best["ms"] / ms,
-                "target_speed_vs_sdpa": TARGETS["prefill_vs_sdpa"]}
+                "sdpa_best_ms": best["ms"], "speed_vs_sdpa": best["ms"] / ms}
 
     def sdpa_prefill(self, w: dict, paged_out) -> dict:
         """Every SDPA backend that runs on the same data, dense and unpaged."""
@@ -239,9 +237,7 @@ class Bench:
                                                     (config or self.default_config(w)).block_n, self.device)[0]}
         if baseline:
             torch_ms = self.time_ms(lambda: gather_sdpa_decode(w, spec["seq_lens"][0]))
-            row |= {"torch_gather_sdpa_ms": torch_ms, "speed_vs_torch": torch_ms / ms,
-                    "target_bandwidth_fraction": TARGETS["decode_bandwidth_fraction"],
-                    "target_speed_vs_torch": TARGETS["decode_vs_torch"]}
+            row |= {"torch_gather_sdpa_ms": torch_ms, "speed_vs_torch": torch_ms / ms}
         return row
 
     def split_sweep(self) -> list[dict]:
@@ -321,14 +317,13 @@ def to_markdown(results: dict) -> str:
     lines += ["## Prefill (causal)", "", "| kernel | ms | TFLOP/s |", "|---|---|---|",
               f"| nanovllm paged | {p['ms']:.3f} | {p['tflops']:.0f} |"]
     lines += [f"| SDPA {name} ({r['gqa']} GQA) | {r['ms']:.3f} | {r['tflops']:.0f} |" for name, r in p["sdpa"].items()]
-    lines += ["", f"Speed vs fastest SDPA: **{p['speed_vs_sdpa']:.2f}x** (target >= {p['target_speed_vs_sdpa']}x)", ""]
+    lines += ["", f"Speed vs fastest SDPA: **{p['speed_vs_sdpa']:.2f}x**", ""]
     lines += ["## Decode", "", "| workload | splits | ms | floor ms | GB/s | of copy bw | gather+SDPA ms | speed-up |",
               "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {d['workload']} | {d['splits']} | {d['ms']:.4f} | {d['floor_ms']:.4f} | {d['GBps']:.0f} | "
               f"{d['bandwidth_fraction']:.0%} | {d['torch_gather_sdpa_ms']:.4f} | {d['speed_vs_torch']:.2f}x |"
               for d in results["decode"]]
-    lines += ["", f"Targets: >= {TARGETS['decode_bandwidth_fraction']:.0%} of copy bandwidth, "
-              f">= {TARGETS['decode_vs_torch']}x gather+SDPA.", ""]
+    lines += [""]
     lines += ["## Compile time", "", "| workload | call | seconds | new kernel variants |", "|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['call']} | {r['seconds']:.3f} | {r['new_variants']} |"
               for r in results["compile"]]

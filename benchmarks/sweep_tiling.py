@@ -1,6 +1,6 @@
 """Sweeps the launch rule of the elementwise and norm kernels (nanovllm/kernels/_tiling.py:
-rows a program takes, warps it runs with) to show how to choose them. The goals: no slower
-than torch.compile at decode sizes (1, 64, 256 rows) and >= 90% of copy bandwidth at 4096.
+rows a program takes, warps it runs with) to show how to choose them: against torch.compile
+at decode sizes (1, 64, 256 rows), and against the device's copy rate at 4096 rows.
 
 For each (op, shape, rows), bf16, CUDA-graph replay timing (nanovllm.utils.timing.benchmark_kernel):
   default      the launch rule as it is

@@ -7,11 +7,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.benchmark import benchmark_kernel
 from nanovllm.kernels.dispatch import KERNELS_AVAILABLE, backend_for, implementation
+from nanovllm.utils.timing import benchmark_kernel  # noqa: F401  (importable from here too; not a kernel)
 
 __all__ = [
-    "KERNELS_AVAILABLE", "backend_for", "benchmark_kernel", "graph_capturable",
+    "KERNELS_AVAILABLE", "backend_for", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
     "gumbel_sample", "small_batch_linear", "linear", "GEMV_MAX_ROWS",
@@ -112,6 +112,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return implementation("fused_add_rms_norm", x.device)(x, residual, weight, eps)
 
 
+def _require_cos_sin_cache(cos_sin_cache: torch.Tensor, head_dim: int) -> None:
+    _require_float(cos_sin_cache, "cos_sin_cache")
+    _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim, "cos_sin_cache",
+             lambda: f"must be [max_position, {head_dim}], got shape {tuple(cos_sin_cache.shape)}")
+
+
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     """Neox-style rotary embedding. q [T, Hq, D], k [T, Hk, D], positions [T],
     cos_sin_cache [max_position, D] holding cos in its first half and sin in its second.
@@ -119,15 +125,13 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     _require_index(positions, "positions", 1)
     _require_float(q, "q")
     _require_float(k, "k")
-    _require_float(cos_sin_cache, "cos_sin_cache")
     _require(q.dim() == 3, "q", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     _require(k.dim() == 3, "k", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(k.shape)}")
     _require(q.shape[0] == positions.shape[0], "q", "token count differs from positions'")
     _require(k.shape[0] == positions.shape[0], "k", "token count differs from positions'")
     _require(k.shape[2] == q.shape[2] and q.shape[2] % 2 == 0, "k", "head_dim must be even and equal q's")
     _require(k.dtype == q.dtype, "k", lambda: f"dtype {k.dtype} differs from q's {q.dtype}")
-    _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == q.shape[2], "cos_sin_cache",
-             lambda: f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
+    _require_cos_sin_cache(cos_sin_cache, q.shape[2])
     return implementation("apply_rotary_emb", q.device)(positions, q, k, cos_sin_cache)
 
 
@@ -167,9 +171,7 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     _require_like(v, k, "v", "k")
     _require_index(positions, "positions", 1)
     _require(positions.shape[0] == q.shape[0], "positions", "length differs from q's token count")
-    _require_float(cos_sin_cache, "cos_sin_cache")
-    _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == q.shape[2], "cos_sin_cache",
-             lambda: f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
+    _require_cos_sin_cache(cos_sin_cache, q.shape[2])
     _require_cache(k_cache, "k_cache")
     _require(k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1, "k_cache",
              lambda: f"must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}] with unit stride along head_dim")

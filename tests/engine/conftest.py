@@ -2,16 +2,13 @@
 and a builder for CPU float32 engines."""
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-# checkpoints.py lives one level up, in tests/, which is not a package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoints import VOCAB_SIZE, build_checkpoint  # noqa: E402
+from checkpoints import VOCAB_SIZE, build_checkpoint
 
 CHECKPOINTS = {
     "qwen3_tied": dict(arch="qwen3", tied=True),

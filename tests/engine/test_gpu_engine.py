@@ -5,15 +5,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoints import build_checkpoint  # noqa: E402
+from checkpoints import build_checkpoint
 
-from nanovllm import LLM, SamplingParams, kernels  # noqa: E402
+from nanovllm import LLM, SamplingParams, kernels
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 17, 3, 99, 42] * 9, [200, 201], [33] * 300, list(range(40, 140))]
@@ -89,7 +87,7 @@ def test_bf16_agrees_with_fp32_transformers_up_to_near_ties(checkpoint, hf_model
 
 
 def hf_greedy_continuation(model, prompt, tokens) -> list[int]:
-    """fp32 greedy choice at each position given our own previous tokens (teacher forcing)."""
+    """fp32 greedy choice at each position given the engine's own previous tokens (teacher forcing)."""
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0]
     return logits[len(prompt) - 1:-1].argmax(-1).tolist()

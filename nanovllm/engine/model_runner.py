@@ -96,10 +96,11 @@ class ModelRunner:
         """Drops the CUDA graphs and, on rank 0 of several, stops the other ranks and leaves
         their group. Later steps raise."""
         self.closed = True
-        self.graphs.clear()
         if self.workers:
             self._shutdown()
-        elif self.tp_size > 1:
+            return
+        self.graphs.clear()
+        if self.tp_size > 1:
             distributed.destroy()
 
     # --- building -----------------------------------------------------------------------
@@ -419,10 +420,13 @@ class ModelRunner:
 
 
 def _shutdown(workers: Workers, graphs: dict) -> None:
-    """Rank 0's end of a tensor-parallel engine. The graphs go first: they hold the collectives'
-    communicators."""
+    """Rank 0's end of a tensor-parallel engine. NCCL communicators outlive the graphs captured
+    with them, but a rank's failure leaves collectives that never finish: those are aborted
+    first, so that nothing waits for them."""
     failed = workers.failure is not None
-    graphs.clear()
     workers.stop()
-    distributed.destroy(abort=failed)
+    if failed:
+        distributed.destroy(abort=True)
+    graphs.clear()
+    distributed.destroy()
     workers.join()

@@ -33,6 +33,8 @@ CPU_DEFAULTS = dict(model=os.path.join(CONFIGS, "qwen3-tiny"), num_seqs=16, min_
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder (default: packaged config with dummy weights)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="dummy: random weights from --model's config.json alone (the default without --model)")
     parser.add_argument("--num-seqs", type=int)
     parser.add_argument("--min-input-len", type=int)
     parser.add_argument("--max-input-len", type=int)
@@ -53,10 +55,10 @@ def parse_args():
 
 
 def apply_defaults(args) -> bool:
-    """Fills unset workload flags for the device; returns whether the packaged config is used."""
+    """Fills unset workload flags for the device; returns whether the weights are dummy ones."""
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
-    dummy = args.model is None
+    dummy = args.model is None or args.load_format == "dummy"
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

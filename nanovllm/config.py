@@ -133,8 +133,8 @@ class Config:
                              "(choose the GPUs with CUDA_VISIBLE_DEVICES)")
         needed = int(os.environ.get("LOCAL_WORLD_SIZE", tp)) if torchrun else tp * dp  # the ranks on this node
         if needed > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size: {tp} ranks x data_parallel_size {dp} need {needed} GPUs here, "
-                             f"{torch.cuda.device_count()} visible")
+            raise ValueError(f"{'data' if dp > 1 else 'tensor'}_parallel_size: {needed} ranks on this machine need a "
+                             f"GPU each, {torch.cuda.device_count()} visible")
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -93,6 +93,17 @@ def reference(checkpoint):
     return get
 
 
+@pytest.fixture(scope="module")
+def llm(checkpoint, new_llm):
+    """A CPU float32 engine on qwen3_tied, one per test module."""
+    return new_llm(checkpoint("qwen3_tied"))
+
+
+@pytest.fixture(scope="module")
+def ref(reference):
+    return reference("qwen3_tied")
+
+
 @pytest.fixture(scope="session")
 def new_llm():
     """new_llm(path, **overrides) -> a CPU float32 engine with ENGINE_DEFAULTS."""

@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer, split_prompts
+from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer, split_requests
 from nanovllm.engine.worker import Workers, exit_with_parent, report_failure, serve
 from nanovllm.sampling_params import SamplingParams
 
@@ -41,12 +41,7 @@ class DataParallelLLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
         """LLMEngine.generate() over the replicas. Each replica checks its share before running
         it; a ValueError it raises comes out once the other replicas have run theirs."""
-        prompts = split_prompts(prompts)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError("sampling_params: needs one entry per prompt")
-        else:
-            sampling_params = [sampling_params] * len(prompts)
+        prompts, sampling_params = split_requests(prompts, sampling_params)
         shares = self._shares(prompts, sampling_params)
         for replica, indices in shares.items():
             self.replicas.send(("generate", [prompts[i] for i in indices], [sampling_params[i] for i in indices], False),

@@ -42,6 +42,8 @@ class DataParallelLLM:
         """LLMEngine.generate() over the replicas. Each replica checks its share before running
         it; a ValueError it raises comes out once the other replicas have run theirs."""
         prompts, sampling_params = split_requests(prompts, sampling_params)
+        # Arrays and tensors travel as lists: multiprocessing would move a tensor through shared memory.
+        prompts = [p if isinstance(p, (str, list, tuple)) else p.tolist() for p in prompts]
         shares = self._shares(prompts, sampling_params)
         for replica, indices in shares.items():
             self.replicas.send(("generate", [prompts[i] for i in indices], [sampling_params[i] for i in indices], False),

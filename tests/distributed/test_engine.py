@@ -92,7 +92,7 @@ def test_tp2_logits_close_to_tp1_and_transformers(runs, hf):
 
 
 def test_dp2_equals_one_engine_and_fails_loudly(checkpoint):
-    prompts = PROMPTS + ["The quick brown fox", [3, 4, 5]]
+    prompts = PROMPTS + ["The quick brown fox", torch.tensor([3, 4, 5])]
     expected = LLM(str(checkpoint), **ENGINE).generate(prompts, greedy(), use_tqdm=False)
     with LLM(str(checkpoint), data_parallel_size=2, **ENGINE) as llm:
         assert sorted(llm._shares(prompts, [greedy()] * len(prompts))) == [0, 1]  # both replicas take a share

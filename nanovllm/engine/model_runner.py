@@ -77,8 +77,12 @@ class ModelRunner:
             self._build()
             if self.workers:
                 self.workers.wait_all()  # every rank built its shard
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            try:
+                if self.workers and not isinstance(exc, ValueError):  # a ValueError is every rank's
+                    self.workers.fail_after(exc)
+            finally:
+                self.close()
             raise
 
     def _build(self) -> None:
@@ -259,7 +263,7 @@ class ModelRunner:
             try:
                 self.run_step(step, seqs)
             except BaseException as exc:
-                self.workers.step_failed(exc)
+                self.workers.fail_after(exc)
                 raise
         else:
             self.run_step(step, seqs)

@@ -116,12 +116,13 @@ class Workers:
         while not event.query():
             self.check(timeout=1e-4)
 
-    def step_failed(self, exc: BaseException) -> None:
-        """After `exc` broke off a step here, the ranks are out of step: raises the failure of a
-        child that caused it, else marks the group failed (the caller raises `exc`)."""
+    def fail_after(self, exc: BaseException) -> None:
+        """After `exc` broke off work here, the ranks are out of step: raises the failure of a
+        child that caused it (a collective fails when a rank exits), else marks the group
+        failed and returns for the caller to raise `exc`."""
         if isinstance(exc, Exception):
             self.check(timeout=5.0)
-        self.failure = self.failure or WorkerError(f"a step failed on rank 0 ({exc!r}); the ranks are out of step")
+        self.failure = self.failure or WorkerError(f"rank 0 failed ({exc!r}); the ranks are out of step")
 
     def _receive(self, index: int):
         try:

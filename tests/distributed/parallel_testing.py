@@ -33,14 +33,14 @@ def alive(pid: int) -> bool:
         return False
 
 
-def call_with_timeout(fn, *args, timeout: float = TIMEOUT_S):
-    """fn(*args) in a thread: its result, or the exception it raised, returned; a call still
-    running after `timeout` seconds fails the test."""
+def call_with_timeout(fn, *args, timeout: float = TIMEOUT_S, **kwargs):
+    """fn(*args, **kwargs) in a thread: its result, or the exception it raised, returned; a
+    call still running after `timeout` seconds fails the test."""
     box = {}
 
     def target():
         try:
-            box["result"] = fn(*args)
+            box["result"] = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             box["result"] = exc
 

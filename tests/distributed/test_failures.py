@@ -42,6 +42,15 @@ class KilledRank(ModelRunner):
         super().run_step(step, seqs)
 
 
+class RaisingAtStart(ModelRunner):
+    """Rank 1 raises while it builds its shard."""
+
+    def _build(self):
+        if self.rank == 1:
+            raise RuntimeError("injected failure at start")
+        super()._build()
+
+
 def tokens(llm) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
@@ -63,6 +72,20 @@ def test_failed_rank_raises_in_the_users_call(checkpoint, monkeypatch, runner, m
     assert call_with_timeout(llm.generate, PROMPTS, PARAMS, False) is error  # the engine stays failed
     llm.close()
     assert not any(alive(pid) for pid in pids) and not child_pids()
+
+
+def test_failed_start_raises_and_leaves_nothing(checkpoint, monkeypatch):
+    monkeypatch.setattr(llm_engine, "ModelRunner", RaisingAtStart)
+    error = call_with_timeout(LLM, str(checkpoint), **ENGINE, tensor_parallel_size=2)
+    assert isinstance(error, WorkerError) and "RuntimeError: injected failure at start" in str(error)
+    assert not child_pids()
+
+
+def test_too_small_cache_on_every_rank_is_a_value_error(checkpoint):
+    """Every rank raises it: rank 0's own error, naming the argument, is the one raised."""
+    error = call_with_timeout(LLM, str(checkpoint), **{**ENGINE, "num_kvcache_blocks": 2}, tensor_parallel_size=2)
+    assert isinstance(error, ValueError) and "num_kvcache_blocks" in str(error)
+    assert not child_pids()
 
 
 def test_engines_one_after_another(checkpoint, expected):

@@ -163,8 +163,8 @@ def allreduce(trace):
         if "nccl" in e["name"].lower():
             by_name.setdefault(e["name"].split("(")[0], []).append(e["dur"])
     print(json.dumps({"trace": trace, "kernel_us": total, "nccl": {
-        name: {"count": len(d), "median_us": statistics.median(d), "max_us": max(d), "share_of_kernel_time": sum(d) / total}
-        for name, d in by_name.items()}}))
+        name: {"count": len(d), "median_us": statistics.median(d), "max_us": max(d),
+               "share_of_kernel_time": sum(d) / total} for name, d in by_name.items()}}))
 
 
 if __name__ == "__main__":
@@ -183,7 +183,8 @@ SINGLE="--num-seqs 1 --min-input-len 128 --max-input-len 128 --min-output-len 51
 sizes() { local list=1; [ "$1" != 1 ] && list="1 $1"; echo $list; }  # 1, and the size asked for
 
 for stage in $STAGES; do case $stage in
-  info) run info bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.device_count(), torch.cuda.get_device_name())"; date -u' ;;
+  info) run info bash -c 'nvidia-smi; date -u; python3 -c "import torch, triton, transformers
+print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.device_count())"' ;;
   tests) run tests python3 -m pytest -q -m gpu --durations=10 tests/distributed ;;
   correctness) run correctness python3 "$CHECK" correctness "$QWEN3_8B" "$TP" "${CHECK_LAYERS:-36}" ;;
   single8b) for tp in $(sizes "$TP"); do

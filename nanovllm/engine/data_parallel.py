@@ -17,6 +17,8 @@ from nanovllm.sampling_params import SamplingParams
 
 
 class DataParallelLLM:
+    """What LLM(model, data_parallel_size=M, ...) returns: generate(), close(), `with`."""
+
     def __init__(self, model: str, **engine_args):
         self.config = Config(model, **engine_args)  # every check before a process starts
         self.tokenizer = load_tokenizer(model)
@@ -26,10 +28,11 @@ class DataParallelLLM:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
             visible = visible.split(",")
             devices = [",".join(visible[i * ranks:(i + 1) * ranks]) for i in range(replicas)]
-        args = {**engine_args, "data_parallel_size": 1}
+        args = [(model, {**engine_args, "data_parallel_size": 1}, devices[i], torch.get_num_threads())
+                for i in range(replicas)]
         # Not daemons: a replica starts its own tensor-parallel ranks.
-        self.replicas = Workers.spawn(replica, [(model, args, devices[i], torch.get_num_threads()) for i in range(replicas)],
-                                      [f"data-parallel replica {i}" for i in range(replicas)], daemon=False)
+        self.replicas = Workers.spawn(replica, args, [f"data-parallel replica {i}" for i in range(replicas)],
+                                      daemon=False)
         self._close = weakref.finalize(self, _close, self.replicas)
         atexit.register(self._close)  # after multiprocessing's exit hook, which would wait for the replicas
         try:
@@ -46,8 +49,8 @@ class DataParallelLLM:
         prompts = [p if isinstance(p, (str, list, tuple)) else p.tolist() for p in prompts]
         shares = self._shares(prompts, sampling_params)
         for replica, indices in shares.items():
-            self.replicas.send(("generate", [prompts[i] for i in indices], [sampling_params[i] for i in indices], False),
-                               to=replica)
+            share = [prompts[i] for i in indices], [sampling_params[i] for i in indices]
+            self.replicas.send(("generate", *share, False), to=replica)
         outputs = [None] * len(prompts)
         with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             for replica, share in self.replicas.replies(shares):

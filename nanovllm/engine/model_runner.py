@@ -427,13 +427,13 @@ class ModelRunner:
 
 
 def _shutdown(workers: Workers, graphs: dict) -> None:
-    """Rank 0's end of a tensor-parallel engine. NCCL communicators outlive the graphs captured
-    with them, but a rank's failure leaves collectives that never finish: those are aborted
-    first, so that nothing waits for them."""
+    """Rank 0's end of a tensor-parallel engine."""
     failed = workers.failure is not None
     workers.stop()
-    if failed:
+    if failed:  # the lost rank's collectives never finish: abort them before anything waits for them
         distributed.destroy(abort=True)
-    graphs.clear()
-    distributed.destroy()
+        graphs.clear()
+    else:  # NCCL communicators go after the graphs captured with them
+        graphs.clear()
+        distributed.destroy()
     workers.join()

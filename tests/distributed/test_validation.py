@@ -10,7 +10,8 @@ from nanovllm import LLM
 # The tiny checkpoint: 4 query heads, 2 key/value heads, intermediate size 128.
 BAD_SIZES = {
     "heads": (dict(tensor_parallel_size=3), "tensor_parallel_size: 3 does not divide the model's num_attention_heads"),
-    "kv_heads": (dict(tensor_parallel_size=4), "tensor_parallel_size: 4 does not divide the model's num_key_value_heads"),
+    "kv_heads": (dict(tensor_parallel_size=4),
+                 "tensor_parallel_size: 4 does not divide the model's num_key_value_heads"),
     "tp_zero": (dict(tensor_parallel_size=0), "tensor_parallel_size: must be at least 1"),
     "dp_zero": (dict(data_parallel_size=0), "data_parallel_size: must be at least 1"),
 }

@@ -1,7 +1,11 @@
 """The kernel boundary: every layer calls only these functions. Each checks its arguments
 (a ValueError naming the argument, before any launch) and then runs the Triton kernel or the
 PyTorch reference, as `dispatch` decides."""
+import math
+import os
+
 import torch
+import torch.nn.functional as F
 
 from nanovllm.kernels.benchmark import benchmark_kernel
 from nanovllm.kernels.dispatch import KERNELS_AVAILABLE, backend_for, implementation
@@ -10,11 +14,15 @@ __all__ = [
     "KERNELS_AVAILABLE", "backend_for", "benchmark_kernel", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
-    "gumbel_sample",
+    "gumbel_sample", "small_batch_linear", "linear", "GEMV_MAX_ROWS",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _INDEX_DTYPES = frozenset((torch.int32, torch.int64))
+_GEMV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+GEMV_MAX_ROWS = 16  # nanovllm.kernels.gemv.MAX_ROWS, without importing Triton here
+# linear() sends small CUDA batches to small_batch_linear; NANOVLLM_GEMV=0 keeps F.linear (cuBLAS).
+gemv_enabled = KERNELS_AVAILABLE and os.environ.get("NANOVLLM_GEMV", "1") != "0"
 
 
 def _require(condition: bool, name: str, message) -> None:
@@ -217,3 +225,33 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     _require_index(seeds, "seeds", 1)
     _require(seeds.shape == logits.shape[:1], "seeds", "must have one entry per row")
     return implementation("gumbel_sample", logits.device)(logits, temperatures, seeds)
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most GEMV_MAX_ROWS rows of x (decode
+    batches): a split-K GEMV that reads the weight once at close to copy bandwidth. float16,
+    bfloat16 or float32. Returns a new contiguous [..., N] tensor."""
+    _require(isinstance(x, torch.Tensor) and x.dtype in _GEMV_DTYPES, "x",
+             "must be a float16, bfloat16 or float32 tensor")
+    _require(x.dim() >= 1 and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS, "x",
+             lambda: f"must be [..., K] with at most {GEMV_MAX_ROWS} rows, got shape {tuple(x.shape)}")
+    _require_float(weight, "weight")
+    _require(weight.dim() == 2 and weight.shape[1] == x.shape[-1], "weight",
+             lambda: f"shape {tuple(weight.shape)} must be [N, {x.shape[-1]}]")
+    _require(weight.dtype == x.dtype, "weight", lambda: f"dtype {weight.dtype} differs from x's {x.dtype}")
+    _require(weight.device == x.device, "weight", lambda: f"device {weight.device} differs from x's {x.device}")
+    if bias is not None:
+        _require_float(bias, "bias")
+        _require(bias.shape == weight.shape[:1], "bias", lambda: f"shape {tuple(bias.shape)} must be ({weight.shape[0]},)")
+        _require(bias.dtype == x.dtype, "bias", lambda: f"dtype {bias.dtype} differs from x's {x.dtype}")
+        _require(bias.device == x.device, "bias", lambda: f"device {bias.device} differs from x's {x.device}")
+    return implementation("small_batch_linear", x.device)(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except that CUDA inputs of at most GEMV_MAX_ROWS rows go to small_batch_linear
+    (unless gemv_enabled is off). Under a captured graph the choice is that of the captured
+    batch size."""
+    if gemv_enabled and x.is_cuda and x.dtype in _GEMV_DTYPES and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        return small_batch_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

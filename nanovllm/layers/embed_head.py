@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm import distributed
+from nanovllm import distributed, kernels
 from nanovllm.layers.linear import copy_checked, tensor_parallel_rank_and_size
 
 
@@ -42,7 +42,7 @@ class LMHead(VocabEmbedding):
     rank 0, which samples, receives all of them; the other ranks get None."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden_states, self.weight)
+        logits = kernels.linear(hidden_states, self.weight)
         if self.tp_size == 1:
             return logits
         logits = distributed.gather_to_first(logits)

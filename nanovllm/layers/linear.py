@@ -3,10 +3,9 @@ this rank's part of the parameter, and into the right slice of a merged projecti
 parallelism needs no change to the loader. Column-parallel layers split the output features
 across ranks, row-parallel ones the input features (their partial sums are all-reduced)."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanovllm import distributed
+from nanovllm import distributed, kernels
 
 
 def tensor_parallel_rank_and_size() -> tuple[int, int]:
@@ -47,7 +46,7 @@ class LinearBase(nn.Module):
         copy_checked(param, self._rank_part(loaded, self.shard_dim), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -72,7 +71,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = kernels.linear(x, self.weight, bias)
         return distributed.all_reduce(y) if self.tp_size > 1 else y
 
 

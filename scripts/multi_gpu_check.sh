@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Tensor and data parallelism on the GPUs of one machine, every measurement of
-# docs/distributed.md's "Measured scaling" in one script; bf16, dummy weights. Results go under
+# docs/distributed.md's "Measured scaling" in one script; bf16 (dummy weights, and a random
+# checkpoint for the comparison of sizes, which must hold the same weights). Results go under
 # $OUT (one archive, multi_gpu_results.tgz, and the console summary).
 #   TP=2 DP=2 bash scripts/multi_gpu_check.sh     two or more GPUs (the default sizes)
 #   TP=1 DP=1 bash scripts/multi_gpu_check.sh     one GPU: every path but the failure stage
-# STAGES picks stages (a command of the device tool runs at most 10 minutes):
+# STAGES picks stages, to split the run over several commands:
 #   info tests correctness single8b bench8b bench06b allreduce fault
 # CHECK_LAYERS: layers of the random Qwen3-8B-shaped checkpoint of the correctness stage (36).
 set -uo pipefail

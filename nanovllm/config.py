@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.distributed import torchrun_env
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Without a GPU the cache gets this many bytes unless num_kvcache_blocks says otherwise.
@@ -78,12 +80,15 @@ class Config:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
+    tensor_parallel_size: int = 1  # ranks one model is split across (docs/distributed.md)
+    data_parallel_size: int = 1  # engine replicas, each of tensor_parallel_size ranks
     kvcache_block_size: int = 128
     num_kvcache_blocks: int = -1
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     load_format: str = "auto"
+    generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json
     hf_config: ModelConfig = field(init=False)
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -94,11 +99,13 @@ class Config:
         self.hf_config = ModelConfig.from_dir(self.model)
         self._check_ranges()
         self.torch_device = resolve_device(self.device)
+        self._check_parallel()
         self.torch_dtype = self._resolve_dtype()
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
     def _check_ranges(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size",
+                     "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         size = self.kvcache_block_size
@@ -108,6 +115,29 @@ class Config:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format: must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config: must be 'auto' or 'none', got {self.generation_config!r}")
+
+    def _check_parallel(self) -> None:
+        """Heads and MLP features split evenly across ranks (none is replicated); each rank of
+        each replica takes a GPU of its own."""
+        tp, dp, hf = self.tensor_parallel_size, self.data_parallel_size, self.hf_config
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(hf, name) % tp:
+                raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {name} ({getattr(hf, name)})")
+        torchrun = tp > 1 and torchrun_env()
+        if torchrun and (torchrun[1] != tp or dp > 1):
+            raise ValueError(f"tensor_parallel_size: under torchrun it must equal WORLD_SIZE ({torchrun[1]}), "
+                             f"with data_parallel_size 1; got {tp} and {dp}")
+        if self.torch_device.type != "cuda" or tp * dp == 1:
+            return
+        if self.torch_device.index is not None:
+            raise ValueError(f"device: {self.device!r} names one GPU, but rank r of each replica takes its own "
+                             "(choose the GPUs with CUDA_VISIBLE_DEVICES)")
+        needed = int(os.environ.get("LOCAL_WORLD_SIZE", tp)) if torchrun else tp * dp  # the ranks on this node
+        if needed > torch.cuda.device_count():
+            raise ValueError(f"{'data' if dp > 1 else 'tensor'}_parallel_size: {needed} ranks on this machine need a "
+                             f"GPU each, {torch.cuda.device_count()} visible")
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

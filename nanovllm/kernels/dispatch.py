@@ -33,6 +33,7 @@ _TRITON_MODULES = {
     "qk_norm_rope_store": "qk_norm_rope",
     "paged_attention": "attention",
     "sample": "sampling",
+    "small_batch_linear": "gemv",
 }
 
 

@@ -8,7 +8,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_mlp import CustomGatedMLP
 from nanovllm.layers.embed_head import LMHead, VocabEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear, tensor_parallel_rank_and_size
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -16,11 +16,12 @@ class QwenAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.head_dim = config.head_dim
-        self.q_size = config.num_attention_heads * config.head_dim
-        self.kv_size = config.num_key_value_heads * config.head_dim
+        tp_size = tensor_parallel_rank_and_size()[1]
+        self.q_size = config.num_attention_heads // tp_size * config.head_dim  # this rank's heads
+        self.kv_size = config.num_key_value_heads // tp_size * config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=config.attention_bias)
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.attn = Attention(scale=config.head_dim ** -0.5)
         if config.qk_norm:

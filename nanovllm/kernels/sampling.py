@@ -22,11 +22,14 @@ Past max_top_k > SORT_FREE_TOP_K the filters come from a sort (reference.samplin
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from nanovllm.kernels import reference
+from nanovllm.kernels.dispatch import INTERPRETER
 from nanovllm.kernels._tiling import cdiv, next_power_of_2
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
+INTERPRETER = tl.constexpr(INTERPRETER)
 SORT_FREE_TOP_K = 256  # the largest top-k (and top-p candidate count) filtered without a sort
 NOISE_BLOCK = 1024  # tokens sharing one Philox call's four outputs, NOISE_BLOCK apart; a scan chunk holds four
 GROUP = 32  # tokens a group maximum covers
@@ -37,9 +40,18 @@ U_MAX = 0.99999994
 
 
 @triton.jit
+def _log2(x):
+    """lg2.approx on a GPU (tl.log2 is libdevice's exact log2f, several times the instructions);
+    the interpreter runs no libdevice."""
+    if INTERPRETER:
+        return tl.log2(x)
+    return libdevice.fast_log2f(x)
+
+
+@triton.jit
 def _gumbel2(u, U_MAX: tl.constexpr):
     """Gumbel noise in base 2 (noise / ln 2 plus a constant): -log2(-log2(u))."""
-    return -tl.log2(-tl.log2(tl.minimum(u, U_MAX)))
+    return -_log2(-_log2(tl.minimum(u, U_MAX)))
 
 
 @triton.jit
@@ -286,7 +298,7 @@ class SampleLaunches:
             logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
             buffers["max"], buffers["sum"], buffers["group_max"], buffers["groups"],
             **_has(filters), LOGPROBS=logprobs, GROUPS=groups, NOISE_BLOCK=noise_block(vocab), GROUP=GROUP,
-            ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=4, **dependent_launch(logits.get_device()))
+            ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8, **dependent_launch(logits.get_device()))
 
     def min_p_draw(self, logits, temperatures, seeds, filters, buffers):
         rows, vocab = logits.shape
@@ -295,7 +307,7 @@ class SampleLaunches:
             logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
             buffers["max"], buffers["chunks"], HAS_TOP_K=has["HAS_TOP_K"], HAS_TOP_P=has["HAS_TOP_P"],
             CHUNKS=next_power_of_2(buffers["chunks"]), NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS,
-            U_MAX=U_MAX, LOG2E=LOG2E, num_warps=4, **dependent_launch(logits.get_device()))
+            U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8, **dependent_launch(logits.get_device()))
 
     def finalize(self, logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad: int):
         """logprobs: a float32 [rows] output, or None."""

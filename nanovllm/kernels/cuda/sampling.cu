@@ -103,6 +103,16 @@ struct Plus {
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
 };
 
+struct ChunkShared {  // a scan or min-p program's reductions, and the chunk's or row's max
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  using ReduceBest = cub::BlockReduce<Best, kThreads>;
+  union {
+    typename Reduce::TempStorage reduce;
+    typename ReduceBest::TempStorage best;
+  } temp;
+  float max;
+};
+
 __device__ __forceinline__ void keep_better(Best& best, float value, int index) {
   if (value > best.value || (value == best.value && index < best.index)) best = {value, index};
 }
@@ -121,13 +131,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(
   const T* row_ptr = logits + row * row_stride;
   const int base = chunk * 4 * noise_block;
   const int loads = (noise_block + kThreads - 1) / kThreads;
-  using Reduce = cub::BlockReduce<float, kThreads>;
-  using ReduceBest = cub::BlockReduce<Best, kThreads>;
-  __shared__ union {
-    typename Reduce::TempStorage reduce;
-    typename ReduceBest::TempStorage best;
-  } temp;
-  __shared__ float shared_max;
+  __shared__ ChunkShared s;
 
   float x[4][4];
   float local_max = -kInf;
@@ -147,21 +151,21 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(
       }
     }
   }
-  const float chunk_max = Reduce(temp.reduce).Reduce(local_max, MaxOf());
+  const float chunk_max = ChunkShared::Reduce(s.temp.reduce).Reduce(local_max, MaxOf());
   if (t == 0) {
-    shared_max = chunk_max;
+    s.max = chunk_max;
     max_out[row * chunks + chunk] = chunk_max;
   }
   __syncthreads();
   if (logprobs) {
     const float scale = kLog2e / (r.temperature > 0 ? r.temperature : 1.f);
-    const float shift = shared_max > -kInf ? shared_max : 0.f;
+    const float shift = s.max > -kInf ? s.max : 0.f;
     float total = 0.f;
 #pragma unroll
     for (int p = 0; p < 4; ++p)
 #pragma unroll
       for (int e = 0; e < 4; ++e) total += exp2f((x[p][e] - shift) * scale);
-    total = Reduce(temp.reduce).Reduce(total, Plus());
+    total = ChunkShared::Reduce(s.temp.reduce).Reduce(total, Plus());
     if (t == 0) sum_out[row * chunks + chunk] = total;
     __syncthreads();
   }
@@ -184,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) keep_better(best, x[p][e], base + p * noise_block + e * kThreads + t);
   }
-  best = ReduceBest(temp.best).Reduce(best, BetterOf());
+  best = ChunkShared::ReduceBest(s.temp.best).Reduce(best, BetterOf());
   if (t == 0) {
     best_out[row * chunks + chunk] = best.value;
     index_out[row * chunks + chunk] = best.index;
@@ -200,17 +204,11 @@ __global__ void __launch_bounds__(kThreads) min_p_draw_kernel(
   const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y, t = threadIdx.x;
   const Row r = read_row(row, vocab, temperatures, top_ks, top_ps, min_ps);
   if (!(r.temperature > 0 && r.min_p > 0 && r.top_k == 0 && r.top_p >= 1)) return;
-  using Reduce = cub::BlockReduce<float, kThreads>;
-  using ReduceBest = cub::BlockReduce<Best, kThreads>;
-  __shared__ union {
-    typename Reduce::TempStorage reduce;
-    typename ReduceBest::TempStorage best;
-  } temp;
-  __shared__ float shared_max;
+  __shared__ ChunkShared s;
   float local_max = -kInf;
   for (int c = t; c < chunks; c += kThreads) local_max = fmaxf(local_max, max_in[row * chunks + c]);
-  const float row_max = Reduce(temp.reduce).Reduce(local_max, MaxOf());
-  if (t == 0) shared_max = row_max;
+  const float row_max = ChunkShared::Reduce(s.temp.reduce).Reduce(local_max, MaxOf());
+  if (t == 0) s.max = row_max;
   __syncthreads();
   const float floor = logf(r.min_p), scale = kLog2e / r.temperature;
   const uint64_t seed = static_cast<uint64_t>(seeds[row]);
@@ -223,12 +221,12 @@ __global__ void __launch_bounds__(kThreads) min_p_draw_kernel(
     for (int p = 0; p < 4; ++p) {
       const int col = base + p * noise_block + j;
       const float x = col < vocab ? to_float(row_ptr[col]) : -kInf;
-      if (x > -kInf && (x - shared_max) / r.temperature >= floor)
+      if (x > -kInf && (x - s.max) / r.temperature >= floor)
         keep_better(best, x * scale + gumbel2(component(bits, p)), col);
     }
   }
   __syncthreads();
-  best = ReduceBest(temp.best).Reduce(best, BetterOf());
+  best = ChunkShared::ReduceBest(s.temp.best).Reduce(best, BetterOf());
   if (t == 0) {
     best_out[row * chunks + chunk] = best.value;
     index_out[row * chunks + chunk] = best.index;

@@ -239,6 +239,14 @@ def test_a_seeded_row_does_not_depend_on_its_batch(target):
     assert other.tolist() != batched.tolist()  # rows 1 and 6 draw from hundreds of tokens
 
 
+@pytest.mark.parametrize("target", kernel_targets())
+def test_a_bound_of_one_token_is_greedy(target):
+    device, sample = implementation(target)
+    x, temperatures, seeds = torch.randn(3, 300, device=device), torch.ones(3, device=device), torch.arange(3, device=device)
+    tokens, _ = sample(x, temperatures, seeds, torch.ones(3, dtype=torch.long, device=device), max_top_k=1)
+    assert torch.equal(tokens, x.argmax(-1))
+
+
 @pytest.mark.triton_interpret
 def test_interpreted_kernel_follows_the_filtered_distribution():
     """200 draws of the Triton kernel itself with every filter: chi-square's 0.999 quantile."""

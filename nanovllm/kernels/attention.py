@@ -262,20 +262,17 @@ def _paged_attention_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_btr
     offs_n = tl.arange(0, BLOCK_N)
     kv_col = kv_head * HEAD_DIM
-    if WINDOW:
-        for start in tl.range(lo, full_lo, BLOCK_N):
-            acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_col,
-                                            block_table_row, start, hi, first_key, row_first, row_limit, qk_scale,
-                                            offs_n, offs_d, d_mask, stride_btc, stride_kb, stride_kt, stride_kd,
-                                            stride_vb, stride_vt, stride_vd,
-                                            BLOCK_N, BLOCK_SIZE, True, PAD_D, False, DOT_PRECISION, WINDOW)
     for start in tl.range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_col,
                                         block_table_row, start, hi, first_key, row_first, row_limit, qk_scale,
                                         offs_n, offs_d, d_mask, stride_btc, stride_kb, stride_kt, stride_kd,
                                         stride_vb, stride_vt, stride_vd,
                                         BLOCK_N, BLOCK_SIZE, False, PAD_D, USE_TMA, DOT_PRECISION, WINDOW)
-    for start in tl.range(full_hi, hi, BLOCK_N):
+    # The masked tiles on either side: [lo, full_lo), where rows' windows start apart (none
+    # without WINDOW), then [full_hi, hi), where their causal limits or the keys end.
+    low_tiles = (full_lo - lo) // BLOCK_N
+    for i in tl.range(0, low_tiles + tl.cdiv(hi - full_hi, BLOCK_N)):
+        start = tl.where(i < low_tiles, lo + i * BLOCK_N, full_hi + (i - low_tiles) * BLOCK_N)
         acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_col,
                                         block_table_row, start, hi, first_key, row_first, row_limit, qk_scale,
                                         offs_n, offs_d, d_mask, stride_btc, stride_kb, stride_kt, stride_kd,

@@ -26,6 +26,28 @@ PAD_TOKEN = "<|pad|>"
 # Small enough that the ~0.5 MB model splits into several files.
 SHARD_SIZE = "150KB"
 
+# original_max_position_embeddings 64 puts every scaling regime (kept, blended, divided by the
+# factor) among the 16 frequencies of a 32-wide head.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+MISTRAL_WINDOW = 24  # shorter than most test prompts, 1.5 KV blocks of 16
+
+# name -> build_checkpoint arguments, for tests/models
+FAMILY_CHECKPOINTS = {
+    "llama2": dict(arch="llama", tied=False),
+    "llama3.1": dict(arch="llama", tied=False, rope_parameters=LLAMA3_ROPE),
+    # head_dim 32 with hidden 64 and 4 heads: the q projection is wider than the hidden state
+    "llama3.2": dict(arch="llama", tied=True, head_dim=32, rope_parameters=LLAMA3_ROPE, published_layout=False),
+    "llama_linear_bias": dict(arch="llama", tied=False, attention_bias=True, mlp_bias=True,
+                              rope_parameters=dict(rope_type="linear", rope_theta=10_000.0, factor=4.0)),
+    "llama_dynamic": dict(arch="llama", tied=True, rope_parameters=dict(rope_type="dynamic", rope_theta=10_000.0,
+                                                                        factor=2.0)),
+    "mistral_window": dict(arch="mistral", tied=False, sliding_window=MISTRAL_WINDOW),
+    "mistral_no_window": dict(arch="mistral", tied=False, sliding_window=None),
+    "gemma": dict(arch="gemma", head_dim=32),
+    "gemma_exact_gelu": dict(arch="gemma", hidden_act="gelu"),
+}
+
 # Training text for the tokenizer: any English works; it only has to yield enough merges to
 # fill VOCAB_SIZE on top of the 256 byte-level symbols.
 _CORPUS = """\

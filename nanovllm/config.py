@@ -100,7 +100,7 @@ def _rope(raw: dict, max_positions: int) -> tuple[float, dict | None]:
         raise ValueError(f"{name}: rope_type {rope_type!r} is not implemented; "
                          f"implemented: {', '.join(ROPE_SCALING_PARAMETERS)}")
     if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"{name}: partial_rotary_factor must be 1 (every head dimension rotated)")
+        raise ValueError("partial_rotary_factor: must be 1 (every head dimension rotated)")
     if rope_type == "default":
         return theta, None
     # As transformers: a top-level original_max_position_embeddings first, then the config's own.

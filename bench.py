@@ -9,6 +9,7 @@ on 2 CPU cores). --profile writes a torch.profiler trace of a few prefill and de
 (docs/distributed.md)."""
 import argparse
 import cProfile
+import glob
 import json
 import os
 import platform
@@ -32,9 +33,8 @@ CPU_DEFAULTS = dict(model=os.path.join(CONFIGS, "qwen3-tiny"), num_seqs=16, min_
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint folder (default: packaged config with dummy weights)")
-    parser.add_argument("--load-format", choices=["auto", "dummy"],
-                        help="dummy: random weights from --model's config.json alone (the default without --model)")
+    parser.add_argument("--model", help="checkpoint folder; one with only a config.json (nanovllm/configs/*) runs on "
+                                        "dummy weights (default: the packaged Qwen3 config)")
     parser.add_argument("--num-seqs", type=int)
     parser.add_argument("--min-input-len", type=int)
     parser.add_argument("--max-input-len", type=int)
@@ -55,13 +55,14 @@ def parse_args():
 
 
 def apply_defaults(args) -> bool:
-    """Fills unset workload flags for the device; returns whether the weights are dummy ones."""
+    """Fills unset workload flags for the device; returns whether the model runs on dummy
+    weights (its folder has no safetensors)."""
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
-    dummy = args.model is None or args.load_format == "dummy"
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    dummy = not glob.glob(os.path.join(args.model, "*.safetensors"))
     if args.dtype == "auto" and dummy:
         args.dtype = "bfloat16" if on_gpu else "float32"
     if not on_gpu:

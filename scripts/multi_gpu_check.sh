@@ -189,13 +189,13 @@ print(torch.__version__, triton.__version__, transformers.__version__, torch.cud
   tests) run tests python3 -m pytest -q -m gpu --durations=10 tests/distributed ;;
   correctness) run correctness python3 "$CHECK" correctness "$QWEN3_8B" "$TP" "${CHECK_LAYERS:-36}" ;;
   single8b) for tp in $(sizes "$TP"); do
-      bench "single8b_tp$tp" --model "$QWEN3_8B" --load-format dummy --tensor-parallel-size "$tp" $SINGLE; done ;;
+      bench "single8b_tp$tp" --model "$QWEN3_8B" --tensor-parallel-size "$tp" $SINGLE; done ;;
   bench8b) for tp in $(sizes "$TP"); do
-      bench "bench8b_tp$tp" --model "$QWEN3_8B" --load-format dummy --tensor-parallel-size "$tp"; done ;;
+      bench "bench8b_tp$tp" --model "$QWEN3_8B" --tensor-parallel-size "$tp"; done ;;
   bench06b) for tp in $(sizes "$TP"); do bench "bench06b_tp$tp" --tensor-parallel-size "$tp"; done
       [ "$DP" != 1 ] && bench "bench06b_dp$DP" --data-parallel-size "$DP" ;;
   allreduce) for batch in 1 256; do
-      bench "allreduce_b$batch" --model "$QWEN3_8B" --load-format dummy --tensor-parallel-size "$TP" --profile \
+      bench "allreduce_b$batch" --model "$QWEN3_8B" --tensor-parallel-size "$TP" --profile \
         --num-seqs "$batch" --min-input-len 128 --max-input-len 128 --min-output-len 256 --max-output-len 256
       run "allreduce_b${batch}_nccl" python3 "$CHECK" allreduce "$OUT/allreduce_b$batch/profile_trace.json"
       rm -f "$OUT/allreduce_b$batch"/*trace.json; done ;;  # tens of MB each; the summary and report stay

@@ -22,7 +22,7 @@ from nanovllm.engine.sequence import PLACEHOLDER
 from nanovllm.engine.worker import Workers, start_ranks
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
-from nanovllm.models.qwen3 import MODEL_REGISTRY
+from nanovllm.models import MODEL_REGISTRY
 from nanovllm.sampling_params import GREEDY_TEMPERATURE
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model

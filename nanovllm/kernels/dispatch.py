@@ -29,6 +29,8 @@ _TRITON_MODULES = {
     "paged_attention": "attention",
     "gumbel_sample": "sampling",
     "small_batch_linear": "gemv",
+    "norm_linear": "gemv",
+    "act_and_mul_linear": "gemv",
 }
 
 

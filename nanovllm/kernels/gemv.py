@@ -14,17 +14,7 @@ not run at once on two streams of a device.
 
 No kernel of the package writes weights, so each program reads its first weight tile before
 it waits for the kernel before it (programmatic dependent launch, launch.py): the read
-overlaps that kernel's end.
-
-Two prologues fuse the op before a projection into it, for decode batches, where each
-kernel's launch and tail cost more than its bytes:
-- norm_linear: y = rms_norm(x + residual) W^T. Each program sees only its K slice of the
-  normalised row but needs the whole row's sum of squares: it reads the full rows first
-  (1-16 rows of the hidden size: a few KB, from L2 after the first program), and program
-  (0, 0) writes x + residual out as the new residual. The sum is rounded to x's dtype before
-  it is squared and the normalised row before the product, as the separate kernels round.
-- act_and_mul_linear: y = (act(gate) * up) W^T of x = [gate | up]: each program computes
-  the product of its own K slice."""
+overlaps that kernel's end."""
 import functools
 from typing import NamedTuple
 
@@ -33,8 +23,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import dispatch
-from nanovllm.kernels._tiling import cdiv, next_power_of_2
-from nanovllm.kernels.activation import _activate
+from nanovllm.kernels._tiling import cdiv
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 MAX_ROWS = 16  # rows of x a call serves: one tl.dot tile
@@ -45,9 +34,6 @@ _BLOCK_N = 64  # the M side of a Hopper wgmma
 _TILE_BYTES = 16 << 10  # weight bytes a program reads per step
 _MAX_TILES_SPLIT = 4096  # counters per device: feature tiles a split call may have
 _INTERPRETER_SMS = 4  # no SMs under TRITON_INTERPRET: enough programs to split small test shapes
-_NORM_TILE = 2048  # elements of the rows a norm prologue sums at a time: one step for 1 x 1024
-# kernels.act_and_mul_linear's activation -> activation.py's ACTIVATION constexpr
-_ACTIVATIONS = {"silu": "silu", "gelu": "none", "gelu_tanh": "tanh"}
 _arrivals: dict[int, torch.Tensor] = {}
 
 
@@ -61,47 +47,11 @@ class Config(NamedTuple):
 
 
 @triton.jit
-def _input_tile(x_ptr, res_ptr, norm_w_ptr, inv_rms, tokens, cols, M, K, x_row_stride, res_row_stride,
-                NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr):
-    """x^T [BLOCK_K, BLOCK_M] after the prologue: rows past M are zeros."""
+def _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST: tl.constexpr):
+    """x^T [BLOCK_K, BLOCK_M]: rows past M are zeros."""
     mask = (cols < K)[:, None] & (tokens < M)[None, :]
-    offsets = tokens[None, :] * x_row_stride + cols[:, None]
-    xt = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-    if NORM:
-        if HAS_RESIDUAL:
-            res = tl.load(res_ptr + tokens[None, :] * res_row_stride + cols[:, None], mask=mask, other=0.0)
-            xt = (xt.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        norm_w = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        xt = (xt.to(tl.float32) * inv_rms[None, :] * norm_w[:, None]).to(x_ptr.dtype.element_ty)
-    elif ACTIVATION != "":
-        up = tl.load(x_ptr + offsets + K, mask=mask, other=0.0).to(tl.float32)
-        xt = (_activate(xt.to(tl.float32), ACTIVATION) * up).to(x_ptr.dtype.element_ty)
+    xt = tl.load(x_ptr + tokens[None, :] * x_row_stride + cols[:, None], mask=mask, other=0.0)
     return xt.to(tl.float32) if UPCAST else xt
-
-
-@triton.jit
-def _inverse_rms(x_ptr, res_ptr, res_out_ptr, M, K, x_row_stride, res_row_stride, eps, write_residual,
-                 HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, NORM_ROWS: tl.constexpr,
-                 NORM_BLOCK: tl.constexpr):
-    """1 / rms of each whole row of x (+ residual) as [BLOCK_M] (0 past M); with
-    write_residual, the sum is stored into res_out [M, K]. Summed over [NORM_ROWS, NORM_BLOCK]
-    tiles, NORM_ROWS >= M, so that one row takes few, wide steps."""
-    rows = tl.arange(0, NORM_ROWS)
-    sum_sq = tl.zeros([NORM_ROWS], tl.float32)
-    for k in range(0, K, NORM_BLOCK):
-        cols = k + tl.arange(0, NORM_BLOCK)
-        mask = (rows < M)[:, None] & (cols < K)[None, :]
-        h = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            res = tl.load(res_ptr + rows[:, None] * res_row_stride + cols[None, :], mask=mask, other=0.0)
-            h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + rows[:, None] * K + cols[None, :], h, mask=mask & write_residual)
-        h = h.to(tl.float32)
-        sum_sq += tl.sum(h * h, 1)
-    inv_rms = tl.rsqrt(sum_sq / K + eps)
-    # [NORM_ROWS] -> [BLOCK_M], the token axis of the x^T tiles
-    tokens = tl.arange(0, BLOCK_M)
-    return tl.sum(tl.where(tokens[:, None] == rows[None, :], inv_rms[None, :], 0.0), 1)
 
 
 @triton.jit
@@ -113,16 +63,13 @@ def _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS: t
 
 @fast_launch
 @triton.jit(do_not_specialize=["M", "num_splits"])
-def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr,
-                 M, N, K, x_row_stride, res_row_stride, w_row_stride, k_per_split, num_splits, eps,
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, K, x_row_stride, w_row_stride,
+                 k_per_split, num_splits,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                 ACTIVATION: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """The output as [BLOCK_N features, BLOCK_M tokens] = W tile @ x^T tile: the weight is the
     wide operand. Masks compare with K, not the split's end: splits start at multiples of
-    BLOCK_K, and a K divisible by 16 keeps the loads vectorised. NORM and ACTIVATION ("":
-    none) select the prologue (module docstring)."""
+    BLOCK_K, and a K divisible by 16 keeps the loads vectorised."""
     tile, split = tl.program_id(0), tl.program_id(1)
     features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_M)
@@ -133,20 +80,14 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, bias_ptr, out_p
     cols = start + tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + cols[None, :], mask=feature_mask & (cols < K)[None, :], other=0.0)
     await_previous_kernel(PDL)
-    inv_rms = 0.0
-    if NORM:
-        inv_rms = _inverse_rms(x_ptr, res_ptr, res_out_ptr, M, K, x_row_stride, res_row_stride, eps,
-                               (tile == 0) & (split == 0), HAS_RESIDUAL, BLOCK_M, NORM_ROWS, NORM_BLOCK)
     # The interpreter has no bf16 arithmetic (its dot of bf16 operands is garbage): it upcasts.
     w = w.to(tl.float32) if UPCAST else w
-    acc = tl.dot(w, _input_tile(x_ptr, res_ptr, norm_w_ptr, inv_rms, tokens, cols, M, K, x_row_stride, res_row_stride,
-                                NORM, HAS_RESIDUAL, ACTIVATION, UPCAST), input_precision=DOT_PRECISION)
+    acc = tl.dot(w, _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST), input_precision=DOT_PRECISION)
     for k in range(start + BLOCK_K, end, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + cols[None, :], mask=feature_mask & (cols < K)[None, :], other=0.0)
         w = w.to(tl.float32) if UPCAST else w
-        acc = tl.dot(w, _input_tile(x_ptr, res_ptr, norm_w_ptr, inv_rms, tokens, cols, M, K, x_row_stride,
-                                    res_row_stride, NORM, HAS_RESIDUAL, ACTIVATION, UPCAST), acc,
+        acc = tl.dot(w, _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST), acc,
                      input_precision=DOT_PRECISION)
     mask = feature_mask & (tokens < M)[None, :]
     if SPLIT:
@@ -207,70 +148,32 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: Config, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-           residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-           activation: str = "") -> None:
-    """out [M, N] (contiguous) = p(x) [M, K] @ weight [N, K]^T (+ bias), x, residual and weight
-    with unit stride along K. p: none; with norm_weight, rms_norm(x (+ residual)), the sum
-    stored into residual_out [M, K] (contiguous); with an activation (_ACTIVATIONS' values),
-    act(x[:, :K]) * x[:, K:]."""
-    m, (n, k) = x.shape[0], weight.shape
+           config: Config) -> None:
+    """out [M, N] (contiguous) = x [M, K] @ weight [N, K]^T (+ bias), both with unit stride along K."""
+    m, k = x.shape
+    n = weight.shape[0]
     split = config.splits > 1
     partials = torch.empty((config.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     arrivals = _arrival_counters(x.device) if split else out
     upcast = dispatch.INTERPRETER and x.dtype == torch.bfloat16
-    norm_rows = next_power_of_2(m)
     _gemv_kernel[(cdiv(n, config.block_n), config.splits)](
-        x, x if residual is None else residual, out if residual_out is None else residual_out,
-        out if norm_weight is None else norm_weight, weight, out if bias is None else bias, out, partials, arrivals,
-        m, n, k, x.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0),
-        config.k_per_split, config.splits, eps,
+        x, weight, out if bias is None else bias, out, partials, arrivals, m, n, k, x.stride(0), weight.stride(0),
+        config.k_per_split, config.splits,
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, NORM_ROWS=norm_rows,
-        NORM_BLOCK=max(16, min(next_power_of_2(k), _NORM_TILE // norm_rows)), ACTIVATION=activation,
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(x.get_device()))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, K] with unit stride along K: a view where the strides allow one."""
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **prologue) -> torch.Tensor:
-    """A new contiguous [..., N] = prologue(x) @ weight^T (+ bias). Operands without unit
-    stride along K (and a strided bias) are copied first: a transposed weight costs a copy of
-    it every call."""
-    n, k = weight.shape
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Returns a new contiguous [..., N] tensor. Operands without unit stride along K (and a
+    strided bias) are copied first: a transposed weight costs a copy of it every call."""
+    k, n = x.shape[-1], weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
-    launch(_rows(x), weight, bias, out, config_for(n, k, x.element_size(), x.get_device()), **prologue)
+    launch(rows, weight, bias, out, config_for(n, k, x.element_size(), x.get_device()))
     return out
-
-
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Returns a new contiguous [..., N] tensor."""
-    return _project(x, weight, bias)
-
-
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """(rms_norm(h) @ weight^T (+ bias), h), h = x + residual (a new contiguous tensor) or x
-    itself. x and residual are only read."""
-    if residual is None:
-        return _project(x, weight, bias, norm_weight=norm_weight.contiguous(), eps=eps), x
-    summed = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if weight.shape[0] == 0 and x.numel() > 0:  # no program runs to write the sum
-        return torch.empty((*x.shape[:-1], 0), dtype=x.dtype, device=x.device), torch.add(x, residual, out=summed)
-    out = _project(x, weight, bias, norm_weight=norm_weight.contiguous(), eps=eps, residual=_rows(residual),
-                   residual_out=summed)
-    return out, summed
-
-
-def act_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       activation: str = "silu") -> torch.Tensor:
-    return _project(x, weight, bias, activation=_ACTIVATIONS[activation])

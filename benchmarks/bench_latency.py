@@ -24,7 +24,7 @@ embedding table is not counted, a step reads one row of it per sequence) plus ea
 sequence's keys and values (2 x layers x kv heads x head_dim x element size per key, at the
 measured steps' mean length). Divided by the copy rate of a 1 GiB device-to-device copy
 measured in the same run (bytes read + written per second, as docs/kernels.md's "% of
-copy"; test_custom_kernels.copy_bandwidth_gbs), before the engine takes the memory.
+copy"; nanovllm.utils.timing.device_copy_gbs), before the engine takes the memory.
 
 Time to first token: LLM.generate of one prompt of fresh random tokens to one output token,
 median of --ttft-repeats after one warm-up (prefix caching is off).
@@ -55,6 +55,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams, kernels
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.utils.timing import device_copy_gbs
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanovllm", "configs")
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -95,20 +96,13 @@ def sync(device: torch.device) -> None:
 
 
 def copy_rate_gbs(device: torch.device) -> float:
-    """GB/s of a device-to-device copy, bytes read + written: on a GPU test_custom_kernels'
-    1 GiB yardstick (eager copies timed with CUDA events); on the CPU a rough figure for a
-    64 MiB copy, only so that the arithmetic runs."""
+    """GB/s of a device-to-device copy, bytes read + written: on a GPU the 1 GiB yardstick of
+    device_copy_gbs; on the CPU a 64 MiB copy, a rough figure only so that the arithmetic runs."""
     if device.type == "cuda":
-        import test_custom_kernels  # the repository root, where `python -m benchmarks...` runs
-        gbs = test_custom_kernels.copy_bandwidth_gbs()
-        torch.cuda.empty_cache()  # its 2 GiB, before the engine sizes its cache
+        gbs = device_copy_gbs(device)
+        torch.cuda.empty_cache()  # its 1 GiB, before the engine sizes its cache
         return gbs
-    src = torch.empty(1 << 26, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    started = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src)
-    return 2 * 5 * src.numel() / (time.perf_counter() - started) / 1e9
+    return device_copy_gbs(device, 64 << 20)
 
 
 def write_json(result: dict, out_dir: str, name: str) -> str:
@@ -320,7 +314,8 @@ def main():
     result = {
         "model": os.path.basename(os.path.normpath(config_dir)), "dtype": str(runner.dtype),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "copy_gbs": copy_gbs, "gemv": kernels.gemv_enabled, "pdl": os.environ.get("NANOVLLM_PDL", "1") != "0",
+        "copy_gbs": copy_gbs, "gemv": kernels.gemv_enabled,
+        "pdl": os.environ.get("NANOVLLM_PDL", "1") != "0",
         "cuda_graphs": bool(runner.graphs), "kv_block_size": args.block_size, "kv_blocks": runner.num_kvcache_blocks,
         "max_model_len": llm.config.max_model_len, "weight_bytes": weights, "kv_bytes_per_key": kv_per_key,
         "warmup_steps": args.warmup, "timed_steps": args.steps, "torch": torch.__version__,

@@ -398,7 +398,7 @@ void for_dtype(const torch::Tensor& logits, F launch) {
 }
 
 template <typename T>
-const T* optional_data(const std::optional<torch::Tensor>& x) { return x ? x->data_ptr<T>() : nullptr; }
+T* optional_data(const std::optional<torch::Tensor>& x) { return x ? x->data_ptr<T>() : nullptr; }
 
 }  // namespace
 

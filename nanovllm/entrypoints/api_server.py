@@ -5,6 +5,7 @@ choice), wait on an asyncio.Event that the engine's reader task sets as tokens a
 the tokens into text (detokenizer.py). A client that goes away aborts its engine requests."""
 import asyncio
 import contextlib
+import logging
 import secrets
 import signal
 import socket
@@ -29,6 +30,7 @@ from nanovllm.entrypoints.protocol import (AssistantMessage, ChatChoice, ChatChu
                                            SamplingRequest, TokenizeRequest, Usage, new_id)
 from nanovllm.sampling_params import SamplingParams
 
+logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
 # A completion request without max_tokens gets OpenAI's default; a chat request gets the room
 # left in max_model_len.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -231,6 +233,9 @@ class OpenAIServer:
                 choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop), p))
         try:
             await until_disconnected(raw, self._accepted(choices, event, prompt_param))
+        except ClientDisconnected:
+            self.finish(choices)
+            raise
         except BaseException:
             self.engine.abort([c.state for c in choices])
             raise
@@ -418,6 +423,7 @@ def build_app(model: str, engine_args: dict, served_model_name: str | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await server.start()
+        logger.info("engine process %d is loading %s", server.engine.process.pid, model)
         try:
             yield
         finally:
@@ -524,11 +530,23 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: the OS picks one). Made with proto IPPROTO_TCP: asyncio
+    sets TCP_NODELAY only on such sockets, and without it a response's body waits for the
+    client's delayed ACK of its headers (40 ms)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 def serve(model: str, engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, api_key: str | None = None, max_queue: int | None = None,
           shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
     """Runs the server until SIGTERM or Ctrl-C; returns the exit code (1 if the engine failed to load)."""
-    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock = bind_socket(host, port)
     app = build_app(model, engine_args, served_model_name, api_key, max_queue)
     server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout))
     failure = []

@@ -1,6 +1,6 @@
 """Real uvicorn servers on 127.0.0.1 with a port the OS picks, each in a thread of the test
 process (its engine in a process of its own), and the settings the server tests share."""
-import socket
+import os
 import threading
 import time
 from pathlib import Path
@@ -8,12 +8,17 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from nanovllm.engine.llm_engine import LLMEngine
+
 # Role markers as plain text: the tiny tokenizer has no special tokens for them.
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 ENGINE_ARGS = dict(device="cpu", dtype="float32", enforce_eager=True, max_model_len=256, kvcache_block_size=16,
                    num_kvcache_blocks=128)
 MODEL_NAME = "tiny"
+# Engine processes inherit this: the tiny model steps in about a millisecond on one thread, and
+# several threads on a busy machine can each wait for a core at every step.
+os.environ["OMP_NUM_THREADS"] = "1"
 # Bounds every wait on a server, so a hang fails the test instead of stalling the suite.
 TIMEOUT = 120.0
 
@@ -31,10 +36,10 @@ class RunningServer:
     """build_app(...) served by uvicorn in a background thread until stop()."""
 
     def __init__(self, checkpoint: Path, engine_args: dict | None = None, **app_args):
-        from nanovllm.entrypoints.api_server import build_app
+        from nanovllm.entrypoints.api_server import bind_socket, build_app
         self.app = build_app(str(checkpoint), {**ENGINE_ARGS, **(engine_args or {})},
                              served_model_name=MODEL_NAME, **app_args)
-        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -68,3 +73,20 @@ class RunningServer:
         return samples
 
 
+
+
+
+class FailingEngine(LLMEngine):
+    """The first step after a request whose prompt starts with TRIGGER raises, as a device
+    error would. Module-level, so the engine process can import it."""
+    TRIGGER = 7
+    armed = False
+
+    def add_request(self, prompt, params=None):
+        self.armed |= prompt[0] == self.TRIGGER
+        return super().add_request(prompt, params)
+
+    def step(self):
+        if self.armed:
+            raise RuntimeError("injected step failure")
+        return super().step()

@@ -130,8 +130,10 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(server):
 
 @pytest.fixture(scope="module")
 def guarded_server(plain_checkpoint):
-    """A checkpoint without a chat template, an API key, one sequence at a time and a queue of one."""
-    running = RunningServer(plain_checkpoint, {"max_num_seqs": 1}, api_key="secret", max_queue=1).start()
+    """A checkpoint without a chat template, an API key, one sequence at a time and a queue of one;
+    sequences up to 1024 tokens, so one can run for a while."""
+    running = RunningServer(plain_checkpoint, {"max_num_seqs": 1, "max_model_len": 1024}, api_key="secret",
+                            max_queue=1).start()
     yield running
     running.stop()
 
@@ -161,10 +163,11 @@ class TestGuardedServer:
 
     def test_429_when_the_queue_is_full(self, guarded_server):
         """max_num_seqs=1: the first request runs, the second waits, the third is refused."""
-        long = {**COMPLETION, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        long = {**COMPLETION, "max_tokens": 1000, "ignore_eos": True, "stream": True, "return_token_ids": True}
         with httpx.Client(base_url=guarded_server.url, headers=AUTH, timeout=TIMEOUT) as http:
             with http.stream("POST", "/v1/completions", json=long) as running:
-                next(line for line in running.iter_lines() if line.startswith("data: {"))
+                lines = running.iter_lines()  # kept: a closed iterator closes the connection
+                next(line for line in lines if line.startswith("data: {"))
                 with http.stream("POST", "/v1/completions", json=long) as waiting:
                     assert waiting.status_code == 200
                     refused = http.post("/v1/completions", json=COMPLETION)

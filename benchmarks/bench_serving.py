@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import ssl
 import sys
 import time
 
@@ -97,16 +98,23 @@ async def send(http: httpx.AsyncClient, body: dict) -> dict:
 
 
 async def run(args, bodies: list[dict], rate: float, concurrency: int | None) -> dict:
-    limit = concurrency or len(bodies)
-    gate = asyncio.Semaphore(limit)
+    gate = asyncio.Semaphore(concurrency or len(bodies))
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=httpx.Timeout(None),
-                                 limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as http:
-        async def one(body):
-            async with gate:
-                return await send(http, body)
+    # One client (one connection) per request in flight, reused: a shared client's pool does
+    # work quadratic in its connections for every request, which delays hundreds of them.
+    ssl_context, idle = ssl.create_default_context(), []
 
+    async def one(body):
+        async with gate:
+            http = idle.pop() if idle else httpx.AsyncClient(base_url=args.base_url, headers=headers,
+                                                             timeout=httpx.Timeout(None), verify=ssl_context)
+            try:
+                return await send(http, body)
+            finally:
+                idle.append(http)
+
+    try:
         await one({**bodies[0], "max_tokens": 8})  # warm-up
         tasks, start = [], time.perf_counter()
         for body in bodies:
@@ -115,6 +123,8 @@ async def run(args, bodies: list[dict], rate: float, concurrency: int | None) ->
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    finally:
+        await asyncio.gather(*(http.aclose() for http in idle))
     return summarize(results, duration, rate, concurrency)
 
 

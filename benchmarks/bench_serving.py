@@ -115,7 +115,9 @@ async def run(args, bodies: list[dict], rate: float, concurrency: int | None) ->
                 idle.append(http)
 
     try:
-        await one({**bodies[0], "max_tokens": 8})  # warm-up
+        # Warm-up on a prompt no request shares (the first one reversed): the prefix cache must
+        # not serve the first request.
+        await one({**bodies[0], "prompt": bodies[0]["prompt"][::-1], "max_tokens": 8})
         tasks, start = [], time.perf_counter()
         for body in bodies:
             tasks.append(asyncio.create_task(one(body)))

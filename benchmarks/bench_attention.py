@@ -1,9 +1,9 @@
-"""Benchmarks nanovllm's Triton paged attention on one GPU in bf16 (issue #4): prefill against
-PyTorch SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path,
+"""Benchmarks nanovllm's Triton paged attention on one GPU in bf16: prefill against PyTorch
+SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path, split,
 block-size and tile sweeps, compile time. Every configuration is checked against the PyTorch
 reference before it is timed. Writes bench_attention.json and bench_attention.md into --out.
 
-    python benchmarks/bench_attention.py --out DIR
+    python -m benchmarks.bench_attention --out DIR
 """
 import argparse
 import json
@@ -13,8 +13,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HEADS, HEAD_DIM = (16, 8), 128
 PREFILL = dict(name="prefill 8 x 2048", query_lens=[2048] * 8, seq_lens=[2048] * 8)
@@ -41,7 +39,6 @@ PREFILL_TILES = [(128, 64, 8, 5, False), (128, 64, 8, 6, True), (128, 64, 8, 3, 
 DECODE_TILES = [(16, 64, 4, 5, False), (16, 64, 4, 5, True), (16, 128, 4, 4, True), (16, 128, 4, 3, False),
                 (16, 32, 4, 8, False)]
 TOLERANCE = 2e-2  # bf16 output against the fp32 reference, relative Frobenius error
-TARGETS = {"prefill_vs_sdpa": 0.8, "decode_bandwidth_fraction": 0.7, "decode_vs_torch": 3.0}
 
 
 def parse_args():
@@ -94,27 +91,18 @@ class Bench:
         import triton
         import triton.testing
         from nanovllm.kernels import attention, reference
-        self.torch, self.triton, self.attention, self.reference = torch, triton, attention, reference
+        from nanovllm.utils import timing
+        self.torch, self.triton, self.attention, self.reference, self.timing = torch, triton, attention, reference, timing
         self.block_size = block_size
         self.device = torch.device("cuda")
         self.gen = torch.Generator(device=self.device).manual_seed(0)
-        self.copy_gbps = self._copy_bandwidth()
+        self.copy_gbps = timing.device_copy_gbs(self.device)
 
     def time_ms(self, fn, calls_per_graph: int = 10) -> float:
         """Median time of one call, from CUDA-graph replays of `calls_per_graph` calls (L2
         flushed before each replay): no host launch overhead, as in the engine's decode graphs,
         where a small decode batch would otherwise time Python, not the kernel."""
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls_per_graph):
-                fn()
+        graph, _ = self.timing.capture(fn, calls_per_graph, warmup=3)
         ms = self.triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
         return ms / calls_per_graph
 
@@ -124,13 +112,6 @@ class Bench:
         return {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
                 "triton": self.triton.__version__, "copy_bandwidth_GBps": round(self.copy_gbps, 1),
                 "headline_block_size": self.block_size}
-
-    def _copy_bandwidth(self) -> float:
-        src = self.torch.empty(1 << 30, dtype=self.torch.uint8, device=self.device)
-        dst = self.torch.empty_like(src)
-        # Eager: a copy replayed from a graph ran at 2.6 TB/s where this gives 4.25 (H200).
-        ms = self.triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-        return 2 * src.numel() / ms / 1e6  # read + write
 
     # --- workloads ---------------------------------------------------------------------------
 
@@ -205,8 +186,7 @@ class Bench:
         sdpa = self.sdpa_prefill(w, out)
         best = min(sdpa.values(), key=lambda r: r["ms"])
         return {"workload": PREFILL["name"], "ms": ms, "tflops": flops / ms / 1e9, "sdpa": sdpa,
-                "sdpa_best_ms": best["ms"], "speed_vs_sdpa": best["ms"] / ms,
-                "target_speed_vs_sdpa": TARGETS["prefill_vs_sdpa"]}
+                "sdpa_best_ms": best["ms"], "speed_vs_sdpa": best["ms"] / ms}
 
     def sdpa_prefill(self, w: dict, paged_out) -> dict:
         """Every SDPA backend that runs on the same data, dense and unpaged."""
@@ -257,9 +237,7 @@ class Bench:
                                                     (config or self.default_config(w)).block_n, self.device)[0]}
         if baseline:
             torch_ms = self.time_ms(lambda: gather_sdpa_decode(w, spec["seq_lens"][0]))
-            row |= {"torch_gather_sdpa_ms": torch_ms, "speed_vs_torch": torch_ms / ms,
-                    "target_bandwidth_fraction": TARGETS["decode_bandwidth_fraction"],
-                    "target_speed_vs_torch": TARGETS["decode_vs_torch"]}
+            row |= {"torch_gather_sdpa_ms": torch_ms, "speed_vs_torch": torch_ms / ms}
         return row
 
     def split_sweep(self) -> list[dict]:
@@ -339,14 +317,13 @@ def to_markdown(results: dict) -> str:
     lines += ["## Prefill (causal)", "", "| kernel | ms | TFLOP/s |", "|---|---|---|",
               f"| nanovllm paged | {p['ms']:.3f} | {p['tflops']:.0f} |"]
     lines += [f"| SDPA {name} ({r['gqa']} GQA) | {r['ms']:.3f} | {r['tflops']:.0f} |" for name, r in p["sdpa"].items()]
-    lines += ["", f"Speed vs fastest SDPA: **{p['speed_vs_sdpa']:.2f}x** (target >= {p['target_speed_vs_sdpa']}x)", ""]
+    lines += ["", f"Speed vs fastest SDPA: **{p['speed_vs_sdpa']:.2f}x**", ""]
     lines += ["## Decode", "", "| workload | splits | ms | floor ms | GB/s | of copy bw | gather+SDPA ms | speed-up |",
               "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {d['workload']} | {d['splits']} | {d['ms']:.4f} | {d['floor_ms']:.4f} | {d['GBps']:.0f} | "
               f"{d['bandwidth_fraction']:.0%} | {d['torch_gather_sdpa_ms']:.4f} | {d['speed_vs_torch']:.2f}x |"
               for d in results["decode"]]
-    lines += ["", f"Targets: >= {TARGETS['decode_bandwidth_fraction']:.0%} of copy bandwidth, "
-              f">= {TARGETS['decode_vs_torch']}x gather+SDPA.", ""]
+    lines += [""]
     lines += ["## Compile time", "", "| workload | call | seconds | new kernel variants |", "|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['call']} | {r['seconds']:.3f} | {r['new_variants']} |"
               for r in results["compile"]]

@@ -2,21 +2,19 @@
 transformers' batched `generate`, on the same random-weight checkpoint: equal-length prompts
 (so transformers needs no padding) and a fixed number of output tokens.
 
-    python benchmarks/bench_concurrency.py --out DIR      # writes concurrency.json
-    python benchmarks/bench_concurrency.py --plot DIR/concurrency.json --png docs/throughput_vs_concurrency.png
+    python -m benchmarks.bench_concurrency --out DIR      # writes concurrency.json
+    python -m benchmarks.bench_concurrency --plot DIR/concurrency.json --png docs/throughput_vs_concurrency.png
 """
 import argparse
 import json
 import os
 import shutil
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import CONFIGS, save_hf_checkpoint, versions  # noqa: E402
-from nanovllm import LLM, SamplingParams  # noqa: E402
+from bench import CONFIGS, save_hf_checkpoint, versions
+from nanovllm import LLM, SamplingParams
 
 
 def nanovllm_rate(llm, batch: int, prompt_len: int, output_len: int) -> float:

@@ -12,11 +12,11 @@ specialization). The gumbel_sample reference synchronises (nonzero, tolist).
 
 From the repository root, on a GPU (about a minute):
 
-    python3 benchmarks/bench_launch.py --out out/bench_launch
+    python -m benchmarks.bench_launch --out out/bench_launch
 
 Without one, a smoke run of the script's logic through Triton's interpreter:
 
-    TRITON_INTERPRET=1 python3 benchmarks/bench_launch.py --device cpu --calls 2 --repeats 1 --out /tmp/bench_launch"""
+    TRITON_INTERPRET=1 python -m benchmarks.bench_launch --device cpu --calls 2 --repeats 1 --out /tmp/bench_launch"""
 import argparse
 import json
 import platform
@@ -26,13 +26,10 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import triton  # noqa: E402
-
-from nanovllm import kernels  # noqa: E402
-from nanovllm.kernels import launch, norm, reference  # noqa: E402
+from nanovllm import kernels
+from nanovllm.kernels import launch, norm, reference
 
 # Qwen3-0.6B
 HIDDEN, INTERMEDIATE, Q_HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 3072, 16, 8, 128, 151936
@@ -41,7 +38,7 @@ BLOCK_SIZE = 16
 
 
 def build(rows: int, offset: int, device: str, dtype: torch.dtype) -> dict:
-    """op -> (ours, eager): functions of no argument returning a tuple of outputs, over inputs
+    """op -> (fused, eager): functions of no argument returning a tuple of outputs, over inputs
     that are the same for the same arguments, each starting `offset` elements into its buffer."""
     torch.manual_seed(0)
 
@@ -139,8 +136,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     rows = []
-    for op, (ours, eager) in build(1, 0, device, dtype).items():
-        us = host_us({"direct": (True, ours), "triton": (False, ours), "eager": (True, eager)}, args.calls,
+    for op, (fused, eager) in build(1, 0, device, dtype).items():
+        us = host_us({"direct": (True, fused), "triton": (False, fused), "eager": (True, eager)}, args.calls,
                      args.repeats, sync)
         rows.append({"op": op, **{f"{name}_us": round(value, 2) for name, value in us.items()},
                      "triton_over_direct": round(us["triton"] / us["direct"], 2),

@@ -1,8 +1,8 @@
 """Sweeps the launch rule of the elementwise and norm kernels (nanovllm/kernels/_tiling.py:
-rows a program takes, warps it runs with) to show how to choose them. The goals: no slower
-than torch.compile at decode sizes (1, 64, 256 rows) and >= 90% of copy bandwidth at 4096.
+rows a program takes, warps it runs with) to show how to choose them: against torch.compile
+at decode sizes (1, 64, 256 rows), and against the device's copy rate at 4096 rows.
 
-For each (op, shape, rows), bf16, CUDA-graph replay timing (nanovllm/kernels/benchmark.py):
+For each (op, shape, rows), bf16, CUDA-graph replay timing (nanovllm.utils.timing.benchmark_kernel):
   default      the launch rule as it is
   w1 .. w16    fixed num_warps, default rows per program
   r0.5 r2 r4   (256 and 4096 rows) rows per program times 0.5 / 2 / 4, warps by the default
@@ -10,39 +10,37 @@ For each (op, shape, rows), bf16, CUDA-graph replay timing (nanovllm/kernels/ben
   c2 c4        (activation ops, 256 and 4096 rows) column tile (_MAX_BLOCK_C) times 2 / 4:
                element_wise_mul_add runs contiguous inputs as one long row, so only the
                column tile grows its tiles
-  compile      torch.compile(dynamic=False) of the eager expression of test_custom_kernels.py
+  compile      torch.compile(dynamic=False) of the eager expression of benchmarks/kernel_cases.py
 A variant is a monkeypatch of the launcher module's `rows_per_program` / `num_warps` /
 `_MAX_BLOCK_C`, restored afterwards. Its output is checked against the default variant's
 first; a mismatch is flagged BAD and not timed. A variant whose (rows, warps, column tile)
 the launcher actually used equals an earlier one's is not timed again.
 qk_norm_rope_store's rows are tokens: a variant scales the tokens a program takes.
 
-From the repository root, on a GPU (meant to take about 3 minutes on an H200; not yet timed):
+From the repository root, on a GPU (a few minutes):
 
-    python3 benchmarks/sweep_tiling.py --out out/sweep_tiling
+    python -m benchmarks.sweep_tiling --out out/sweep_tiling
 
 Writes DIR/sweep_tiling.json (every variant) and DIR/sweep_tiling.md. Without a GPU, a smoke
 run of the logic through Triton's interpreter (rows 1 and 7, no compile, wall clock):
 
-    TRITON_INTERPRET=1 python3 benchmarks/sweep_tiling.py --smoke --out /tmp/sweep_tiling"""
+    TRITON_INTERPRET=1 python -m benchmarks.sweep_tiling --smoke --out /tmp/sweep_tiling"""
 import argparse
 import contextlib
 import importlib
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_kernels import raise_recompile_limit
+from benchmarks.kernel_cases import OPS
+from nanovllm.kernels import _tiling, backend_for
+from nanovllm.utils.timing import benchmark_kernel, clone_arguments, device_copy_gbs
 
-import test_custom_kernels as tck  # noqa: E402  (no side effects on import: main() is guarded)
-from nanovllm.kernels import _tiling, backend_for, benchmark_kernel  # noqa: E402
-from nanovllm.kernels.benchmark import clone_arguments  # noqa: E402
-
-# (op, launcher module, [(width, strided)]): test_custom_kernels' timed shapes (Qwen3-0.6B and
+# (op, launcher module, [(width, strided)]): the kernel benchmark's timed shapes (Qwen3-0.6B and
 # a 4096-wide model); "strided" rms_norm is the per-head q norm on a slice of the qkv output.
 SWEEP = [
     ("silu_and_mul", "activation", [(2 * 3072, False)]),
@@ -109,17 +107,6 @@ def matches(got, want, exact: bool) -> bool:
     if exact:
         return all(torch.equal(g, w) for g, w in zip(got, want))
     return all(torch.allclose(g, w, equal_nan=True, **BF16_TOL) for g, w in zip(got, want))
-
-
-def copy_gbs(device) -> float:
-    if device.type == "cuda":
-        return tck.copy_bandwidth_gbs()
-    src = torch.randn(1 << 24)  # CPU smoke run: a rough figure, only for the arithmetic
-    dst = torch.empty_like(src)
-    started = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src)
-    return 2 * 5 * src.numel() * 4 / (time.perf_counter() - started) / 1e9
 
 
 def sweep_case(op, module, case, rows, opts):
@@ -233,11 +220,13 @@ def main() -> int:
                                                                                      (1, 2, 4, 8, 16))
     if opts.smoke:
         opts.warmup, opts.iters, opts.no_compile = 1, 3, True
-    tck._raise_recompile_limit()  # every case compiles on its own (dynamic=False)
+    raise_recompile_limit()  # every case compiles on its own (dynamic=False)
     started = time.perf_counter()
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or 'cpu'} (interpreter)"
-    results = dict(environment=f"{name}; torch {torch.__version__}", copy_gbs=copy_gbs(device), cases=[])
-    ops = {op.name: op for op in tck.OPS}
+    # CPU smoke run: a 64 MiB copy, a rough figure only for the arithmetic
+    copy_gbs = device_copy_gbs(device) if device.type == "cuda" else device_copy_gbs(device, 64 << 20)
+    results = dict(environment=f"{name}; torch {torch.__version__}", copy_gbs=copy_gbs, cases=[])
+    ops = {op.name: op for op in OPS}
     print(f"{results['environment']}; copy {results['copy_gbs']:.0f} GB/s\n{HEADER}")
     for op_name, module_name, shapes in SWEEP:
         if opts.ops and op_name not in opts.ops:

@@ -84,6 +84,7 @@ class Config:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     load_format: str = "auto"
+    generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json
     hf_config: ModelConfig = field(init=False)
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -108,6 +109,8 @@ class Config:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format: must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config: must be 'auto' or 'none', got {self.generation_config!r}")
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

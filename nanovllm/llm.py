@@ -6,11 +6,36 @@ class LLM(LLMEngine):
 
     LLM(model_dir, device="auto", dtype="auto", max_num_seqs=256, max_num_batched_tokens=8192,
         max_model_len=4096, kvcache_block_size=128, num_kvcache_blocks=-1, gpu_memory_utilization=0.9,
-        enable_prefix_caching=True, enforce_eager=False, load_format="auto")
+        enable_prefix_caching=True, enforce_eager=False, load_format="auto", generation_config="auto")
 
     device "auto" takes CUDA when present, else the CPU. dtype "auto" keeps the checkpoint's
     dtype (fp32 checkpoints run in bf16 on a GPU). The KV cache takes gpu_memory_utilization of
     the GPU after a warm-up step that measures peak activation memory; on the CPU it takes
     num_kvcache_blocks blocks, or by default 2 GiB (nanovllm.config.CPU_KV_CACHE_BYTES), never
     more than max_num_seqs full-length sequences need. load_format="dummy" fills the weights
-    with random values from config.json alone."""
+    with random values from config.json alone.
+
+    Length: prompt + output <= max_model_len. A prompt of max_model_len tokens or more leaves
+    no room for output and is rejected (ValueError naming `prompt`); a shorter one ends with
+    finish_reason "length" when its output reaches max_tokens or the whole sequence reaches
+    max_model_len, whichever comes first.
+
+    Prompts: a string, a list of token ids, or a 1-D integer numpy array or torch tensor is one
+    prompt. generate() also takes a non-empty list of prompts, or a 2-D integer array or tensor
+    (one prompt per row); anything else is a ValueError naming `prompts`.
+
+    Sampling: temperature 0, and any temperature below 1e-5
+    (nanovllm.sampling_params.GREEDY_TEMPERATURE), takes the most likely token. A request
+    without SamplingParams gets SamplingParams(**llm.sampling_defaults): with
+    generation_config="auto", the temperature, top_k, top_p and min_p set in the checkpoint's
+    generation_config.json (top_k 0 there means no top-k); with "none", SamplingParams()'s own
+    defaults. An explicit SamplingParams is taken as given. EOS ids are read from
+    generation_config.json either way.
+
+    Online: add_request() queues a prompt, step() runs the engine and returns an output per
+    request that received a token (request_id, token_ids so far, new_token_id, finished,
+    finish_reason, text once finished). Each step() queues the next step on the device before
+    reading the tokens of the one before, so one step is in flight between calls; abort() works
+    between steps (a token still in flight for the aborted request is dropped). Online requests
+    keep running inside generate(); the outputs they produce there come from the next step(),
+    in order."""

@@ -1,29 +1,83 @@
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
+
+import numpy as np
+
+# A temperature below this samples greedily: logits / T overflows float32 for T below ~1e-38,
+# and long before that a draw is all but certain to be the argmax.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick each next token. temperature=0 is greedy; top_k=-1 and top_p=1 disable those
-    filters. With a seed, a request's tokens do not depend on the run or on its batch."""
+    """How to pick each next token.
+
+    temperature: >= 0, finite; any temperature below GREEDY_TEMPERATURE (1e-5), 0 included,
+    takes the most likely token. top_k: keep the k most likely tokens; -1 keeps all. top_p:
+    in (0, 1], keep the smallest set of most likely tokens whose probability reaches top_p; 1
+    keeps all. min_p: in [0, 1], the least probability a token needs, as a fraction of the most
+    likely token's; 0 keeps all. max_tokens: at most this many output tokens (>= 1); output
+    also ends when prompt + output reach the engine's max_model_len. ignore_eos: keep going
+    past EOS. stop_token_ids: token ids (>= 0) that end the output. seed: any integer; with a
+    seed, a request's tokens do not depend on the run or on its batch.
+
+    Every field is checked on construction: a wrong type or range raises ValueError naming
+    it. Integer fields take Python or numpy integers, float fields also take integers; bools
+    count as neither. Values are stored as plain Python types."""
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     max_tokens: int = 64
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     seed: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens: must be an integer, got {self.max_tokens!r}")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k: must be an integer, got {self.top_k!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:  # also rejects NaN
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        # Comparisons written so that NaN fails them.
+        self.temperature = _number("temperature", self.temperature)
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
+        self.top_k = _integer("top_k", self.top_k)
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k: must be -1 (off) or >= 1, got {self.top_k}")
+        self.top_p = _number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        self.min_p = _number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        self.max_tokens = _integer("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be at least 1, got {self.max_tokens}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+        self.ignore_eos = bool(self.ignore_eos)
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed)
+
+
+# Python's bool is an Integral and a Real, refused as both; numpy's bool is neither.
+def _integer(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    return int(value)
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    return float(value)
+
+
+def _token_ids(name: str, value) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}: must be a list of token ids, got {value!r}")
+    ids = [_integer(name, t) for t in value]
+    if any(t < 0 for t in ids):
+        raise ValueError(f"{name}: token ids must be >= 0, got {value!r}")
+    return ids

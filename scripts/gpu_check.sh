@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Everything the GPU has to say in one call of the lent machine: GPU tests, the kernel
-# suite, the attention and HF-swap benchmarks, and bench.py. Results go under $OUT.
+# Everything that needs a GPU, in stages: the gpu-marked tests, the kernel suite, bench.py
+# (default workload with a profile, one sequence, against transformers), and the attention,
+# launch, swap_layers and concurrency benchmarks. Each stage's log and results go to a folder
+# of their own, and all of them into one archive, $OUT/gpu_results.tgz (OUT defaults to
+# ./gpu_out); the last lines of each log are printed as the stage ends.
+#
+#   bash scripts/gpu_check.sh                                # every default stage
+#   STAGES="tests kernels" bash scripts/gpu_check.sh         # chosen stages (also: mlp, sweep, bench_eager)
+#
+# STAGE_TIMEOUT (seconds, default 300) bounds each stage; TAIL (default 25) is the lines shown.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# The device tool returns at most 8 files: logs and results are packed into one archive.
 FINAL=${OUT:-gpu_out}
 OUT=$(mktemp -d)
 trap 'tar czf "$FINAL/gpu_results.tgz" -C "$OUT" .' EXIT
@@ -16,15 +23,16 @@ run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
 for stage in $STAGES; do case $stage in
   info) run info bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
   tests) run tests python3 -m pytest -q -m gpu --durations=15 tests ;;
-  kernels) run kernels python3 test_custom_kernels.py --out "$OUT/kernels" ;;
+  kernels) run kernels python3 -m benchmarks.bench_kernels --out "$OUT/kernels" ;;
   mlp) run mlp python3 -m nanovllm.layers.custom_mlp ;;
-  attention) run attention python3 benchmarks/bench_attention.py --out "$OUT/attention" ;;
+  attention) run attention python3 -m benchmarks.bench_attention --out "$OUT/attention" ;;
   bench) run bench python3 bench.py --profile --out "$OUT/bench" ;;
   bench_eager) run bench_eager python3 bench.py --enforce-eager --out "$OUT/bench_eager" ;;
   single) run single python3 bench.py --num-seqs 1 --min-input-len 128 --max-input-len 128 --min-output-len 512 --max-output-len 512 --out "$OUT/single" ;;
   comparehf) run comparehf python3 bench.py --compare-hf --num-seqs 32 --max-input-len 512 --min-output-len 128 --max-output-len 128 --out "$OUT/comparehf" ;;
   hfswap) run hfswap python3 -m benchmarks.bench_hf_swap --out "$OUT/hfswap" ;;
-  sweep) run sweep python3 benchmarks/sweep_tiling.py --out "$OUT/sweep" ;;
-  launch) run launch python3 benchmarks/bench_launch.py --out "$OUT/launch" ;;
-  concurrency) run concurrency python3 benchmarks/bench_concurrency.py --out "$OUT/concurrency" ;;
+  sweep) run sweep python3 -m benchmarks.sweep_tiling --out "$OUT/sweep" ;;
+  launch) run launch python3 -m benchmarks.bench_launch --out "$OUT/launch" ;;
+  concurrency) run concurrency python3 -m benchmarks.bench_concurrency --out "$OUT/concurrency" ;;
+  *) echo "=== unknown stage: $stage" ;;
 esac; done

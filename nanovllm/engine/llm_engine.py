@@ -7,6 +7,8 @@ import os
 import time
 from collections import deque
 
+import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
@@ -27,30 +29,53 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def eos_token_ids(config: Config, tokenizer) -> list[int]:
+def read_generation_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def eos_token_ids(config: Config, generation_config: dict, tokenizer) -> list[int]:
     ids = set(config.hf_config.eos_token_id)
-    generation_config = os.path.join(config.model, "generation_config.json")
-    if os.path.isfile(generation_config):
-        with open(generation_config) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
+    eos = generation_config.get("eos_token_id")
+    ids.update([eos] if isinstance(eos, int) else eos or [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The checkpoint's recommended sampling: the SamplingParams fields its generation config
+    sets. top_k 0 is transformers' "no top-k", -1 here."""
+    defaults = {name: generation_config[name] for name in ("temperature", "top_k", "top_p", "min_p")
+                if generation_config.get(name) is not None}
+    if defaults.get("top_k") == 0:
+        defaults["top_k"] = -1
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"generation_config: generation_config.json's sampling defaults are invalid ({exc}); "
+                         "generation_config='none' ignores them") from None
+    return defaults
 
 
 class LLMEngine:
     def __init__(self, model: str, **engine_args):
         self.config = Config(model, **engine_args)
         self.tokenizer = load_tokenizer(model)
+        generation_config = read_generation_config(model)
+        # SamplingParams(**sampling_defaults) serves requests that bring no SamplingParams.
+        self.sampling_defaults = sampling_defaults(generation_config) if self.config.generation_config == "auto" else {}
         self.model_runner = ModelRunner(self.config)
-        self.scheduler = Scheduler(self.config, eos_token_ids(self.config, self.tokenizer),
+        self.scheduler = Scheduler(self.config, eos_token_ids(self.config, generation_config, self.tokenizer),
                                    self.model_runner.num_kvcache_blocks)
         self._request_ids = itertools.count()
-        # Outputs of online requests that finished inside generate(), for the next step() call.
+        # Outputs of online requests recorded but not yet returned by step(), in order.
         self._undelivered: list[dict] = []
-        # Steps launched on the device whose tokens are not recorded yet, oldest first: generate()
-        # keeps one here while it prepares the next. A step leaves only once recorded, so an
+        # Steps launched on the device whose tokens are not recorded yet, oldest first: one stays
+        # here between steps while the next is prepared. A step leaves only once recorded, so an
         # interrupt while waiting for its tokens loses nothing.
         self._in_flight: deque[tuple[ScheduledBatch, SampledTokens]] = deque()
         self.last_step_tokens = (0, 0)  # (prefill, decode) tokens computed by the last step
@@ -62,31 +87,41 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model folder has no tokenizer; pass token ids")
             token_ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (np.ndarray, torch.Tensor)):
+            if prompt.ndim != 1 or not _integer_array(prompt):
+                raise ValueError(f"prompt: an array of token ids must be 1-D and integer, "
+                                 f"got shape {tuple(prompt.shape)} of {prompt.dtype}")
+            token_ids = prompt.tolist()
+        elif isinstance(prompt, (list, tuple)):
             token_ids = [_as_int(t) for t in prompt]
+        else:
+            raise ValueError(f"prompt: expected a string or token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt: is empty")
         vocab = self.config.hf_config.vocab_size
         if not all(0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens exceed max_model_len={self.config.max_model_len}")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room for any output under "
+                             f"max_model_len={self.config.max_model_len} (prompt + output <= max_model_len)")
         return token_ids
 
     def _new_sequence(self, prompt, params: SamplingParams | None) -> Sequence:
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else SamplingParams(**self.sampling_defaults)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         return Sequence(next(self._request_ids), self._prompt_token_ids(prompt), params)
 
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
-        """Queues one prompt (a string or token ids); returns its request id."""
+        """Queues one prompt (a string, a list of token ids or a 1-D integer array or tensor);
+        returns its request id. Without `params`, the checkpoint's sampling defaults apply."""
         seq = self._new_sequence(prompt, params)
         self.scheduler.add(seq)
         return seq.request_id
 
     def abort(self, request_id: int) -> bool:
-        """Drops a request and frees its cache blocks; False if it is not queued or running."""
+        """Drops a request and frees its cache blocks; False if it is not queued or running. A
+        token of it still in flight on the device is dropped when it arrives."""
         return self.scheduler.abort(request_id) is not None
 
     def is_finished(self) -> bool:
@@ -94,16 +129,24 @@ class LLMEngine:
 
     # --- steps -------------------------------------------------------------------------------
     def step(self) -> list[dict]:
-        """Runs one batch (first, a step an interrupted generate() left in flight). Returns an
-        output for every request that received a token (and for online requests that finished
-        while generate() ran)."""
-        new = []
-        if not self._in_flight and not self.scheduler.is_finished() and not self._launch():
+        """Queues the next step on the device, then records the one queued before it, so a loop
+        of step() calls keeps the device busy as generate() does. Returns an output for every
+        request that received a token in the recorded step, after those still undelivered from
+        earlier steps (generate() runs online requests too, and leaves their outputs here)."""
+        self._advance(set(), {})
+        outputs, self._undelivered = self._undelivered, []  # after the step: kept if it raised
+        return outputs
+
+    def _advance(self, own: set, finished: dict) -> None:
+        """Launches the next step if one can run, then records every step launched before it:
+        step N + 1 is queued before step N's tokens are read, so the device does not wait for
+        the host between steps. Requests in `own` (a generate() call's) land in `finished` when they finish; every other
+        request that receives a token gets an output in `_undelivered`, for step()."""
+        launched = not self.scheduler.is_finished() and self._launch()
+        if not launched and not self._in_flight and not self.scheduler.is_finished():
             raise RuntimeError("scheduler produced an empty step while requests are pending")
-        if self._in_flight:
-            new = self._collect_oldest()
-        undelivered, self._undelivered = self._undelivered, []  # after the step: kept if it raised
-        return undelivered + new
+        while len(self._in_flight) > launched:
+            self._collect_oldest(own, finished)
 
     def _launch(self) -> bool:
         """Schedules a batch and queues it on the device; False if nothing can run until the
@@ -117,15 +160,18 @@ class LLMEngine:
         self._in_flight.append((batch, sampled))
         return True
 
-    def _collect_oldest(self, finished_only: bool = False) -> list[dict]:
-        """Waits for the oldest launched step's tokens and records them; outputs of the requests
-        that received one, or with `finished_only` of those that finished (copying every
-        running request's tokens each step costs)."""
+    def _collect_oldest(self, own: set, finished: dict) -> None:
+        """Waits for the oldest launched step's tokens and records them. Outputs of `own`
+        requests are built only once they finish: copying every running request's tokens
+        each step costs."""
         batch, sampled = self._in_flight[0]
         tokens = sampled.tolist()  # the wait: interrupted here, the step stays queued
         self._in_flight.popleft()
-        received = self.scheduler.postprocess(batch, tokens)
-        return [self._output(seq) for seq in received if seq.is_finished or not finished_only]
+        for seq, position in self.scheduler.postprocess(batch, tokens):
+            if seq.request_id not in own:
+                self._undelivered.append(self._output(seq, position))
+            elif seq.is_finished:
+                finished[seq.request_id] = self._output(seq, position)
 
     @staticmethod
     def _count_tokens(batch: ScheduledBatch) -> tuple[int, int]:
@@ -133,9 +179,10 @@ class LLMEngine:
                      if n == 1 and seq.num_computed_tokens + 1 == len(seq) > seq.num_prompt_tokens)
         return sum(batch.num_new_tokens) - decode, decode
 
-    def _output(self, seq: Sequence) -> dict:
-        token_ids, finished = seq.output_token_ids, seq.is_finished
-        return {"request_id": seq.request_id, "token_ids": token_ids, "new_token_id": seq.token_ids[-1],
+    def _output(self, seq: Sequence, position: int) -> dict:
+        """The request's state once its token at `position` is in."""
+        token_ids, finished = seq.token_ids[seq.num_prompt_tokens:position + 1], seq.is_finished
+        return {"request_id": seq.request_id, "token_ids": token_ids, "new_token_id": seq.token_ids[position],
                 "finished": finished, "finish_reason": seq.finish_reason,
                 "text": self.decode(token_ids) if finished else ""}
 
@@ -143,10 +190,11 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
-        """Runs every prompt to completion; outputs in input order. All prompts are checked
+        """Runs every prompt to completion; outputs in input order. `prompts`: one prompt or a
+        list of them (see split_prompts). `sampling_params`: one SamplingParams for all, a list
+        of one per prompt, or None for the checkpoint's defaults. All prompts are checked
         before any is queued, so a bad one leaves the engine untouched."""
-        if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], (str, list, tuple))):
-            prompts = [prompts]  # one prompt, a string or a list of token ids
+        prompts = split_prompts(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError("sampling_params: needs one entry per prompt")
@@ -165,32 +213,18 @@ class LLMEngine:
         return [{key: outputs[seq.request_id][key] for key in ("text", "token_ids", "finish_reason")} for seq in seqs]
 
     def _run_until_done(self, outputs: dict, own: set, use_tqdm: bool) -> None:
-        """Steps until every request in `own` has finished (online requests run alongside;
-        their outputs wait for step()). Step N + 1 is scheduled and queued before step N's
-        tokens are read, so the device never waits for the host between steps."""
+        """Steps until every request in `own` has finished; online requests run alongside and
+        their outputs wait for step()."""
         with tqdm(total=len(own), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             try:
                 while len(outputs) < len(own):
                     started = time.perf_counter()
-                    launched = not self.scheduler.is_finished() and self._launch()
-                    if not launched and not self._in_flight:
-                        if self.scheduler.is_finished():
-                            break
-                        raise RuntimeError("scheduler produced an empty step while requests are pending")
-                    while len(self._in_flight) > (1 if launched else 0):
-                        self._deliver(self._collect_oldest(finished_only=True), outputs, own, bar)
+                    self._advance(own, outputs)
+                    bar.update(len(outputs) - bar.n)
                     self._show_throughput(bar, time.perf_counter() - started)
             finally:
                 while self._in_flight:  # nothing launched is left unrecorded, even on an error
-                    self._deliver(self._collect_oldest(finished_only=True), outputs, own, bar)
-
-    def _deliver(self, finished: list[dict], outputs: dict, own: set, bar) -> None:
-        for out in finished:
-            if out["request_id"] not in own:
-                self._undelivered.append(out)
-            else:
-                outputs[out["request_id"]] = out
-                bar.update(1)
+                    self._collect_oldest(own, outputs)
 
     def _show_throughput(self, bar, seconds: float) -> None:
         prefill, decode = self.last_step_tokens
@@ -210,9 +244,46 @@ class LLMEngine:
                 **self.model_runner.memory_stats()}
 
 
-def _as_int(token) -> int:
-    """A token id of any integer type (int, numpy or torch integers)."""
+def split_prompts(prompts) -> list:
+    """generate()'s `prompts` as a list of single prompts. One prompt is a string, a list of
+    token ids or a 1-D integer array or tensor; a batch is a non-empty list of prompts or a 2-D
+    integer array or tensor (a prompt per row)."""
+    if isinstance(prompts, (np.ndarray, torch.Tensor)):
+        batch = [prompts] if prompts.ndim == 1 else list(prompts) if prompts.ndim == 2 else None
+    elif isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(map(_is_token_id, prompts)):
+        batch = [prompts]
+    else:
+        batch = prompts
+    if not isinstance(batch, (list, tuple)) or not batch or not all(map(_is_prompt, batch)):
+        raise ValueError("prompts: expected a prompt (a string, token ids, a 1-D integer array or tensor), "
+                         "a non-empty list of prompts or a 2-D integer array or tensor")
+    return list(batch)
+
+
+def _integer_array(array) -> bool:
+    if isinstance(array, torch.Tensor):
+        return not (array.dtype.is_floating_point or array.dtype.is_complex or array.dtype == torch.bool)
+    return np.issubdtype(array.dtype, np.integer)
+
+
+def _is_token_id(token) -> bool:
+    """Any integer (Python, numpy, a 0-d array or tensor) but a bool."""
+    if isinstance(token, bool) or getattr(token, "ndim", 0):  # torch.tensor([3]) has an __index__
+        return False
     try:
-        return operator.index(token)
+        operator.index(token)
     except TypeError:
-        raise ValueError(f"prompt: token ids must be integers, got {token!r}") from None
+        return False
+    return True
+
+
+def _is_prompt(prompt) -> bool:
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        return prompt.ndim == 1 and _integer_array(prompt)
+    return isinstance(prompt, (str, list, tuple))
+
+
+def _as_int(token) -> int:
+    if not _is_token_id(token):
+        raise ValueError(f"prompt: token ids must be integers, got {token!r}")
+    return operator.index(token)

@@ -15,6 +15,7 @@ from nanovllm.engine.sequence import PLACEHOLDER
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.qwen3 import MODEL_REGISTRY
+from nanovllm.sampling_params import GREEDY_TEMPERATURE
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
@@ -219,7 +220,9 @@ class ModelRunner:
             reset_context()  # the step's tensors must not outlive it, even on an error
 
     def _sampling_tensors(self, seqs):
-        temperatures = self._to_device([s.params.temperature for s in seqs], torch.float32)
+        # Every sampling path sees 0 for a near-zero temperature, where logits / T would overflow.
+        temperatures = [s.params.temperature for s in seqs]
+        temperatures = self._to_device([t if t >= GREEDY_TEMPERATURE else 0.0 for t in temperatures], torch.float32)
         seeds = self._to_device([self._noise_seed(s) for s in seqs], torch.long)
         if not any(s.params.top_k != -1 or s.params.top_p < 1 for s in seqs):
             return temperatures, seeds

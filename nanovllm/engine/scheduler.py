@@ -114,9 +114,10 @@ class Scheduler:
             if not self._ends_by_length(seq, len(seq)):
                 seq.append_token(PLACEHOLDER)
 
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[tuple[Sequence, int]]:
         """Records a launched batch's sampled tokens (in `sample_rows` order) and makes the blocks
-        it filled findable. Returns the sequences that received a token: not those that finished
+        it filled findable. Returns the sequences that received a token, each with the token's
+        position (placeholders of steps launched since may follow it); not those that finished
         or were aborted while the step ran."""
         for seq, num_new, before, table in zip(batch.seqs, batch.num_new_tokens, batch.computed_before,
                                                batch.block_tables):
@@ -129,7 +130,7 @@ class Scheduler:
             seq = batch.seqs[row]
             if not seq.is_finished:
                 self._record_token(seq, position, token)
-                received.append(seq)
+                received.append((seq, position))
         return received
 
     def _record_token(self, seq: Sequence, position: int, token: int) -> None:
@@ -149,7 +150,8 @@ class Scheduler:
         return "length" if self._ends_by_length(seq, position) else None
 
     def _ends_by_length(self, seq: Sequence, position: int) -> bool:
-        """Whether a token at `position` is the last its sequence may have."""
+        """Whether a token at `position` is the last its sequence may have: its output reaches
+        max_tokens, or prompt and output together reach max_model_len."""
         return position + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or position + 1 >= self.max_model_len
 
     def finish(self, seq: Sequence, reason: str) -> None:

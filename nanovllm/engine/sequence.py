@@ -35,10 +35,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 

@@ -1,20 +1,28 @@
 """The kernel boundary: every layer calls only these functions. Each checks its arguments
 (a ValueError naming the argument, before any launch) and then runs the Triton kernel or the
 PyTorch reference, as `dispatch` decides."""
-import torch
+import math
+import os
 
-from nanovllm.kernels.benchmark import benchmark_kernel
+import torch
+import torch.nn.functional as F
+
 from nanovllm.kernels.dispatch import KERNELS_AVAILABLE, backend_for, implementation
+from nanovllm.utils.timing import benchmark_kernel  # noqa: F401  (importable from here too; not a kernel)
 
 __all__ = [
-    "KERNELS_AVAILABLE", "backend_for", "benchmark_kernel", "graph_capturable",
+    "KERNELS_AVAILABLE", "backend_for", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
-    "gumbel_sample",
+    "gumbel_sample", "small_batch_linear", "linear", "GEMV_MAX_ROWS",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _INDEX_DTYPES = frozenset((torch.int32, torch.int64))
+_GEMV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+GEMV_MAX_ROWS = 16  # nanovllm.kernels.gemv.MAX_ROWS, without importing Triton here
+# linear() sends small CUDA batches to small_batch_linear; NANOVLLM_GEMV=0 keeps F.linear (cuBLAS).
+gemv_enabled = KERNELS_AVAILABLE and os.environ.get("NANOVLLM_GEMV", "1") != "0"
 
 
 def _require(condition: bool, name: str, message) -> None:
@@ -104,6 +112,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return implementation("fused_add_rms_norm", x.device)(x, residual, weight, eps)
 
 
+def _require_cos_sin_cache(cos_sin_cache: torch.Tensor, head_dim: int) -> None:
+    _require_float(cos_sin_cache, "cos_sin_cache")
+    _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim, "cos_sin_cache",
+             lambda: f"must be [max_position, {head_dim}], got shape {tuple(cos_sin_cache.shape)}")
+
+
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     """Neox-style rotary embedding. q [T, Hq, D], k [T, Hk, D], positions [T],
     cos_sin_cache [max_position, D] holding cos in its first half and sin in its second.
@@ -111,15 +125,13 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     _require_index(positions, "positions", 1)
     _require_float(q, "q")
     _require_float(k, "k")
-    _require_float(cos_sin_cache, "cos_sin_cache")
     _require(q.dim() == 3, "q", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     _require(k.dim() == 3, "k", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(k.shape)}")
     _require(q.shape[0] == positions.shape[0], "q", "token count differs from positions'")
     _require(k.shape[0] == positions.shape[0], "k", "token count differs from positions'")
     _require(k.shape[2] == q.shape[2] and q.shape[2] % 2 == 0, "k", "head_dim must be even and equal q's")
     _require(k.dtype == q.dtype, "k", lambda: f"dtype {k.dtype} differs from q's {q.dtype}")
-    _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == q.shape[2], "cos_sin_cache",
-             lambda: f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
+    _require_cos_sin_cache(cos_sin_cache, q.shape[2])
     return implementation("apply_rotary_emb", q.device)(positions, q, k, cos_sin_cache)
 
 
@@ -159,9 +171,7 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     _require_like(v, k, "v", "k")
     _require_index(positions, "positions", 1)
     _require(positions.shape[0] == q.shape[0], "positions", "length differs from q's token count")
-    _require_float(cos_sin_cache, "cos_sin_cache")
-    _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == q.shape[2], "cos_sin_cache",
-             lambda: f"must be [max_position, {q.shape[2]}], got shape {tuple(cos_sin_cache.shape)}")
+    _require_cos_sin_cache(cos_sin_cache, q.shape[2])
     _require_cache(k_cache, "k_cache")
     _require(k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1, "k_cache",
              lambda: f"must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}] with unit stride along head_dim")
@@ -217,3 +227,33 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     _require_index(seeds, "seeds", 1)
     _require(seeds.shape == logits.shape[:1], "seeds", "must have one entry per row")
     return implementation("gumbel_sample", logits.device)(logits, temperatures, seeds)
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most GEMV_MAX_ROWS rows of x (decode
+    batches): a split-K GEMV that reads the weight once at close to copy bandwidth. float16,
+    bfloat16 or float32. Returns a new contiguous [..., N] tensor."""
+    _require(isinstance(x, torch.Tensor) and x.dtype in _GEMV_DTYPES, "x",
+             "must be a float16, bfloat16 or float32 tensor")
+    _require(x.dim() >= 1 and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS, "x",
+             lambda: f"must be [..., K] with at most {GEMV_MAX_ROWS} rows, got shape {tuple(x.shape)}")
+    _require_float(weight, "weight")
+    _require(weight.dim() == 2 and weight.shape[1] == x.shape[-1], "weight",
+             lambda: f"shape {tuple(weight.shape)} must be [N, {x.shape[-1]}]")
+    _require(weight.dtype == x.dtype, "weight", lambda: f"dtype {weight.dtype} differs from x's {x.dtype}")
+    _require(weight.device == x.device, "weight", lambda: f"device {weight.device} differs from x's {x.device}")
+    if bias is not None:
+        _require_float(bias, "bias")
+        _require(bias.shape == weight.shape[:1], "bias", lambda: f"shape {tuple(bias.shape)} must be ({weight.shape[0]},)")
+        _require(bias.dtype == x.dtype, "bias", lambda: f"dtype {bias.dtype} differs from x's {x.dtype}")
+        _require(bias.device == x.device, "bias", lambda: f"device {bias.device} differs from x's {x.device}")
+    return implementation("small_batch_linear", x.device)(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except that CUDA inputs of at most GEMV_MAX_ROWS rows go to small_batch_linear
+    (unless gemv_enabled is off). Under a captured graph the choice is that of the captured
+    batch size."""
+    if gemv_enabled and x.is_cuda and x.dtype in _GEMV_DTYPES and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        return small_batch_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

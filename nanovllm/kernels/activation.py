@@ -14,7 +14,7 @@ from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fas
 
 _MAX_BLOCK_C = 1024  # divides the real hidden sizes (1024..8192, 3072) without a ragged tail
 # Half the shared rule's tile: three H200 sweeps found it faster for silu_and_mul and
-# fused_add_gelu at 256 and 4096 rows, by about 5% (docs/kernels.md, "Tiling sweep").
+# fused_add_gelu at 256 and 4096 rows, by about 5% (docs/kernels.md, "Launch rule").
 _TILE_ELEMENTS = 2048
 
 
@@ -103,9 +103,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _launch(kernel, n_rows: int, n_cols: int, *args, per_thread: int = 8, **constexprs) -> None:
     """Runs `kernel` over a [n_rows, n_cols] problem in tiles of BLOCK_R rows x BLOCK_C columns,
     `per_thread` values a thread on full grids. 8 (one 16-byte vector: 8 warps for a
-    2048-element tile): the fifth session's three sweeps (H100, H200) agreed on it for
-    silu_and_mul and element_wise_mul_add at 4096 rows, by 1-3%; fused_add_gelu's favoured
-    4 warps."""
+    2048-element tile): three sweeps (H100, H200) agreed on it for silu_and_mul and
+    element_wise_mul_add at 4096 rows, by 1-3%; fused_add_gelu's favoured 4 warps."""
     block_c = min(next_power_of_2(n_cols), _MAX_BLOCK_C)
     col_blocks = cdiv(n_cols, block_c)
     block_r = rows_per_program(n_rows, block_c, col_blocks, _TILE_ELEMENTS)

@@ -359,7 +359,7 @@ def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
     unsplit grid fills less than one wave, then aims at _PROGRAMS_PER_SM programs per SM,
     rounded down to a power of two so that the merge loads whole tiles of splits (1 x 32768 on
     8 kv heads: 32 splits, not 33, whose merge took a 64-split tile: 4.1 against 2.9 us on
-    an H200 in the third session). A forced `num_splits` (tests, benchmarks) may cut as fine
+    an H200). A forced `num_splits` (tests, benchmarks) may cut as fine
     as one key tile."""
     min_partition = block_n
     if num_splits is None:

@@ -28,6 +28,7 @@ _TRITON_MODULES = {
     "qk_norm_rope_store": "qk_norm_rope",
     "paged_attention": "attention",
     "gumbel_sample": "sampling",
+    "small_batch_linear": "gemv",
 }
 
 

@@ -14,7 +14,7 @@ equality to 1 unless in do_not_specialize, constexpr values) with the launch opt
 (num_warps, ...) and the current device. Whatever makes Triton compile a new variant makes
 a new key. The stream is read on every call, so launches follow torch.cuda.stream and graph
 capture as Triton's do. Not re-checked after the first call: the values of globals the
-kernel reads (ours take their constants as arguments).
+kernel reads (these kernels take their constants as arguments).
 
 Under TRITON_INTERPRET=1 `triton.jit` returns no JITFunction and the kernel is left as it is.
 NANOVLLM_FAST_LAUNCH=0 (or `launch.enabled = False`) sends every launch through Triton's path.

@@ -46,6 +46,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(summed, weight, eps), summed
 
 
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    dtype = _compute_dtype(x)
+    return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).to(x.dtype)
+
+
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     # index_select rather than advanced indexing: the latter is far slower on the CPU.
     cos, sin = cos_sin_cache.index_select(0, positions.long()).chunk(2, dim=-1)

@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm import kernels
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
@@ -17,4 +19,4 @@ class LMHead(VocabEmbedding):
     them once and computes in fp32)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight)
+        return kernels.linear(hidden_states, self.weight)

@@ -2,8 +2,9 @@
 this rank's part of the parameter (rank 0 of 1 today), and into the right slice of a merged
 projection, so tensor parallelism needs no change to the loader."""
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from nanovllm import kernels
 
 
 def tensor_parallel_rank_and_size() -> tuple[int, int]:
@@ -44,7 +45,7 @@ class LinearBase(nn.Module):
         copy_checked(param, self._rank_part(loaded, self.shard_dim), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -68,7 +69,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = kernels.linear(x, self.weight, bias)
         if self.tp_size > 1:
             torch.distributed.all_reduce(y)
         return y

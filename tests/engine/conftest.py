@@ -2,16 +2,13 @@
 and a builder for CPU float32 engines."""
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-# checkpoints.py lives one level up, in tests/, which is not a package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoints import VOCAB_SIZE, build_checkpoint  # noqa: E402
+from checkpoints import VOCAB_SIZE, build_checkpoint
 
 CHECKPOINTS = {
     "qwen3_tied": dict(arch="qwen3", tied=True),
@@ -91,6 +88,17 @@ def reference(checkpoint):
         return refs[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint, new_llm):
+    """A CPU float32 engine on qwen3_tied, one per test module."""
+    return new_llm(checkpoint("qwen3_tied"))
+
+
+@pytest.fixture(scope="module")
+def ref(reference):
+    return reference("qwen3_tied")
 
 
 @pytest.fixture(scope="session")

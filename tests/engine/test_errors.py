@@ -3,6 +3,7 @@ leaves the engine serving."""
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,8 @@ MAX_MODEL_LEN = 64
 # name -> (prompts, SamplingParams kwargs, field the message must name)
 BAD_REQUESTS = {
     "prompt_too_long": ([list(range(2, 3 + MAX_MODEL_LEN))], {}, "prompt"),
+    "prompt_of_max_model_len": ([list(range(2, 2 + MAX_MODEL_LEN))], {}, "prompt"),  # no room for output
+    "prompts_3d_array": (np.zeros((1, 1, 4), dtype=np.int64), {}, "prompts"),
     "empty_string": ([""], {}, "prompt"),
     "empty_ids": ([[]], {}, "prompt"),
     "id_past_vocab": ([[5, VOCAB_SIZE]], {}, "prompt"),
@@ -23,6 +26,12 @@ BAD_REQUESTS = {
     "top_p_above_one": (["Hi"], {"top_p": 1.5}, "top_p"),
     "top_k_zero": (["Hi"], {"top_k": 0}, "top_k"),
     "top_k_below_minus_one": (["Hi"], {"top_k": -2}, "top_k"),
+    "temperature_string": (["Hi"], {"temperature": "1"}, "temperature"),
+    "max_tokens_bool": (["Hi"], {"max_tokens": True}, "max_tokens"),
+    "min_p_above_one": (["Hi"], {"min_p": 1.5}, "min_p"),
+    "stop_token_ids_bare_int": (["Hi"], {"stop_token_ids": 5}, "stop_token_ids"),
+    "stop_token_ids_negative": (["Hi"], {"stop_token_ids": [-1]}, "stop_token_ids"),
+    "seed_string": (["Hi"], {"seed": "x"}, "seed"),
 }
 
 GOOD_PROMPTS = ["The quick brown fox", "Numbers such as one, two"]

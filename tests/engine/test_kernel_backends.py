@@ -5,15 +5,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoints import build_checkpoint  # noqa: E402
+from checkpoints import build_checkpoint
 
-from nanovllm import LLM, SamplingParams, kernels  # noqa: E402
+from nanovllm import LLM, SamplingParams, kernels
 
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [200, 201], [33] * 40]
 MAX_TOKENS = 6

@@ -57,7 +57,7 @@ def fake_tokens(batch, rng) -> list[int]:
 def run_step(scheduler, batch, tokens) -> list[Sequence]:
     """Launches and records one batch; returns the sequences that finished."""
     scheduler.launched(batch)
-    return [seq for seq in scheduler.postprocess(batch, tokens) if seq.is_finished]
+    return [seq for seq, _ in scheduler.postprocess(batch, tokens) if seq.is_finished]
 
 
 workloads = st.fixed_dictionaries({
@@ -102,7 +102,10 @@ def test_random_workloads_finish_without_leaks(w):
             scheduler.launched(batch)
         previous, in_flight = (in_flight, batch or None) if w["pipelined"] else (batch, None)
         if previous:
-            for seq in scheduler.postprocess(previous, fake_tokens(previous, rng)):
+            for seq, position in scheduler.postprocess(previous, fake_tokens(previous, rng)):
+                # Steps are recorded in order: only later steps' placeholders follow the token.
+                assert PLACEHOLDER not in seq.token_ids[:position + 1]
+                assert all(t == PLACEHOLDER for t in seq.token_ids[position + 1:])
                 if seq.is_finished:
                     assert seq.request_id not in finished
                     finished.add(seq.request_id)
@@ -138,11 +141,11 @@ def test_preemption_keeps_generated_tokens_and_recomputes():
         batch = scheduler.schedule()
         run_step(scheduler, batch, fake_tokens(batch, rng))
     assert b in scheduler.waiting and b.num_output_tokens > 0 and b.num_computed_tokens == 0
-    generated = list(b.output_token_ids)
+    generated = b.token_ids[b.num_prompt_tokens:]
     while not scheduler.is_finished():
         batch = scheduler.schedule()
         run_step(scheduler, batch, fake_tokens(batch, rng))
-    assert b.output_token_ids[:len(generated)] == generated and b.num_output_tokens == 8
+    assert b.token_ids[b.num_prompt_tokens:][:len(generated)] == generated and b.num_output_tokens == 8
 
 
 def test_prefix_cache_hit_requires_equal_tokens(monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanovllm import kernels
+from nanovllm.utils.timing import capture
 
 # ||out - ref|| / ||ref|| against float64: a few units of the output dtype's rounding. The
 # interpreter rounds bf16 toward zero (the GPU to nearest), which doubles bf16's error there.
@@ -63,14 +64,7 @@ def poison_allocator(nbytes: int, device: str) -> None:
 def capture_and_replay(fn):
     """Captures fn() in a CUDA graph after a warm-up, replays it, and returns the output of
     the replay: fails if anything in fn synchronises with the host."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture(fn)
     graph.replay()
     torch.cuda.synchronize()
     return out

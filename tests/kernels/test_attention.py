@@ -10,6 +10,7 @@ import torch
 
 import nanovllm.kernels as kernels
 from nanovllm.kernels import reference
+from nanovllm.utils.timing import capture
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 try:
@@ -413,14 +414,7 @@ def test_decode_cuda_graph_gpu(batch):
         q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
 
     refill()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compiles outside the capture
-        run_public(case)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run_public(case)
+    graph, out = capture(lambda: run_public(case))  # compiles in the warm-up, outside the capture
     for _ in range(3):
         refill()
         graph.replay()

@@ -1,10 +1,11 @@
-"""benchmark_kernel's copies of the arguments (nanovllm/kernels/benchmark.py): same layout, new
-memory, aliasing kept; on a GPU, outputs that do not land on the previous call's memory."""
+"""nanovllm/utils/timing.py: benchmark_kernel's copies of the arguments (same layout, new
+memory, aliasing kept); on a GPU, outputs that do not land on the previous call's memory, and
+graph capture and the copy rate."""
 import pytest
 import torch
 
-from nanovllm.kernels import benchmark_kernel
-from nanovllm.kernels.benchmark import clone_arguments
+from nanovllm import kernels
+from nanovllm.utils.timing import benchmark_kernel, capture, clone_arguments, device_copy_gbs
 
 
 def test_views_of_one_buffer_stay_views_of_one_copy():
@@ -55,3 +56,25 @@ def test_outputs_rotate_like_the_inputs():
     benchmark_kernel(fresh_output, torch.randn(1 << 20, device="cuda"), warmup=1, iters=2)
     # 4 MiB inputs: 32 copies, and the warm-up calls each once before anything is timed
     assert len(set(seen[:32])) == 32, "consecutive calls wrote to the same memory"
+
+
+def test_benchmark_kernel_stays_importable_from_the_kernels_package():
+    assert kernels.benchmark_kernel is benchmark_kernel
+    assert "benchmark_kernel" not in kernels.__all__
+
+
+def test_cpu_copy_rate_counts_read_and_written_bytes(monkeypatch):
+    """Each copy takes 2 ms by the stubbed clock: 2 x 8 MiB moved in 2 ms."""
+    clock = iter(range(0, 1000, 2))
+    monkeypatch.setattr("nanovllm.utils.timing.time.perf_counter", lambda: next(clock) / 1e3)
+    assert device_copy_gbs("cpu", 8 << 20) == pytest.approx(2 * (8 << 20) / 2e-3 / 1e9)
+
+
+@pytest.mark.gpu
+def test_a_captured_graph_replays_on_new_inputs():
+    static_x = torch.zeros(1000, device="cuda")
+    graph, out = capture(lambda: static_x * 2 + 1, calls=2)
+    static_x.copy_(torch.arange(1000.0, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.arange(1000.0, device="cuda") * 2 + 1)

@@ -1,17 +1,15 @@
 """Loading: config.json layouts of transformers 4.x and 5.x, pickles refused, dummy weights.
 (Broken-tensor errors are tested in test_errors.py.)"""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoints import build_checkpoint, copy_checkpoint  # noqa: E402
+from checkpoints import build_checkpoint, copy_checkpoint
 
-from nanovllm import LLM  # noqa: E402
-from nanovllm.config import ModelConfig  # noqa: E402
+from nanovllm import LLM
+from nanovllm.config import ModelConfig
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, kvcache_block_size=16, num_kvcache_blocks=8)
 BASE = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,

@@ -1,0 +1,179 @@
+"""Triton kernel for linear layers of a few rows: y = x W^T (+ b), x [M <= 16, K], W [N, K],
+the projections and LM head of decode batches. At such sizes a matmul is a read of W: a few
+MB a projection, 1-3 us at HBM bandwidth, which cuBLAS's small-M kernels take ~6-7 us for.
+
+Programs own BLOCK_N output features and a run of K ("split-K", as many runs as _splits
+finds best), so that even one row keeps every SM busy; each multiplies its weight tiles
+with x^T on the tensor cores (the M side padded to 16, the smallest tl.dot takes; the
+padding is free next to the weight traffic). With one split a program stores its outputs; with several, each
+stores an fp32 partial and counts itself in at its feature tile's counter, and the last to
+arrive adds the partials in split order (the sum does not depend on which program finishes
+last), adds the bias, stores the output and sets the counter back to 0 for the next call:
+one launch, no memset. The counters are one buffer per device, so two of these kernels must
+not run at once on two streams of a device.
+
+No kernel of the package writes weights, so each program reads its first weight tile before
+it waits for the kernel before it (programmatic dependent launch, launch.py): the read
+overlaps that kernel's end."""
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels import dispatch
+from nanovllm.kernels._tiling import cdiv
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
+
+MAX_ROWS = 16  # rows of x a call serves: one tl.dot tile
+# Two resident programs an SM: 3 pipeline stages of 16 KB weight tiles take 80 KB of shared
+# memory a program (sm_90 build), and a wave of them holds more bytes in flight than HBM needs.
+PROGRAMS_PER_SM = 2
+_BLOCK_N = 64  # the M side of a Hopper wgmma
+_TILE_BYTES = 16 << 10  # weight bytes a program reads per step
+_MAX_TILES_SPLIT = 4096  # counters per device: feature tiles a split call may have
+_INTERPRETER_SMS = 4  # no SMs under TRITON_INTERPRET: enough programs to split small test shapes
+_arrivals: dict[int, torch.Tensor] = {}
+
+
+class Config(NamedTuple):
+    block_n: int
+    block_k: int
+    splits: int
+    k_per_split: int  # a multiple of block_k
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST: tl.constexpr):
+    """x^T [BLOCK_K, BLOCK_M]: rows past M are zeros."""
+    mask = (cols < K)[:, None] & (tokens < M)[None, :]
+    xt = tl.load(x_ptr + tokens[None, :] * x_row_stride + cols[:, None], mask=mask, other=0.0)
+    return xt.to(tl.float32) if UPCAST else xt
+
+
+@triton.jit
+def _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + features, mask=features < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + tokens[None, :] * N + features[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["M", "num_splits"])
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, K, x_row_stride, w_row_stride,
+                 k_per_split, num_splits,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """The output as [BLOCK_N features, BLOCK_M tokens] = W tile @ x^T tile: the weight is the
+    wide operand. Masks compare with K, not the split's end: splits start at multiples of
+    BLOCK_K, and a K divisible by 16 keeps the loads vectorised."""
+    tile, split = tl.program_id(0), tl.program_id(1)
+    features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    tokens = tl.arange(0, BLOCK_M)
+    feature_mask = (features < N)[:, None]
+    w_rows = w_ptr + features.to(tl.int64)[:, None] * w_row_stride
+    start = split * k_per_split
+    end = tl.minimum(start + k_per_split, K)
+    cols = start + tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + cols[None, :], mask=feature_mask & (cols < K)[None, :], other=0.0)
+    await_previous_kernel(PDL)
+    # The interpreter has no bf16 arithmetic (its dot of bf16 operands is garbage): it upcasts.
+    w = w.to(tl.float32) if UPCAST else w
+    acc = tl.dot(w, _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST), input_precision=DOT_PRECISION)
+    for k in range(start + BLOCK_K, end, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + cols[None, :], mask=feature_mask & (cols < K)[None, :], other=0.0)
+        w = w.to(tl.float32) if UPCAST else w
+        acc = tl.dot(w, _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST), acc,
+                     input_precision=DOT_PRECISION)
+    mask = feature_mask & (tokens < M)[None, :]
+    if SPLIT:
+        offsets = tokens[None, :] * N + features[:, None]  # partials are [splits, M, N]
+        tl.store(partials_ptr + split * M * N + offsets, acc, mask=mask)
+        # Every thread's partial is written before one thread's release-add announces it.
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == num_splits - 1:
+            # .cg: from L2, where the other programs' partials are, never a stale L1 line
+            acc = tl.load(partials_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            for other in range(1, num_splits):
+                acc += tl.load(partials_ptr + other * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(arrivals_ptr + tile, 0)
+            _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS)
+    else:
+        _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    if device_index < 0:
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def config_for(n: int, k: int, element_size: int, device_index: int, block_n: int = _BLOCK_N,
+               block_k: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM, num_stages: int = 3) -> Config:
+    """Tiles of _TILE_BYTES of weight; K split as _splits says. The keywords are for
+    benchmarks/bench_gemv.py's sweep."""
+    block_k = block_k or max(16, _TILE_BYTES // (block_n * element_size))
+    tiles, k_blocks = cdiv(n, block_n), max(1, cdiv(k, block_k))
+    splits = _splits(tiles, k_blocks, programs_per_sm * _sm_count(device_index)) if tiles <= _MAX_TILES_SPLIT else 1
+    blocks_per_split = cdiv(k_blocks, splits)
+    # A program holds its first tile in registers: more warps for larger tiles.
+    num_warps = min(8, max(4, block_n * block_k * element_size // 4096))
+    return Config(block_n, block_k, cdiv(k_blocks, blocks_per_split), blocks_per_split * block_k, num_warps,
+                  num_stages)
+
+
+def _splits(tiles: int, k_blocks: int, slots: int) -> int:
+    """The fewest runs of K that minimise waves x (K blocks + 1) per program: the time of the
+    busiest SM when `slots` programs run at once and each takes as long as its blocks plus
+    one block's worth of fixed cost (start, epilogue, partials; an estimate). Qwen3-0.6B's
+    qkv at one row: 64 tiles of 8 blocks in 4 runs, one wave of 256 programs; Qwen3-8B's
+    gate_up: 384 tiles of 32 blocks in 2 runs, 3 waves, against 2 waves of 32 unsplit."""
+    return min(range(1, k_blocks + 1), key=lambda s: (cdiv(tiles * s, slots) * (cdiv(k_blocks, s) + 1), s))
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """Zeros that every split call leaves as it found them. Allocated once per device and
+    never replaced: captured graphs keep its address."""
+    index = device.index if device.type == "cuda" else -1
+    counters = _arrivals.get(index)
+    if counters is None:
+        counters = _arrivals[index] = torch.zeros(_MAX_TILES_SPLIT, dtype=torch.int32, device=device)
+    return counters
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+           config: Config) -> None:
+    """out [M, N] (contiguous) = x [M, K] @ weight [N, K]^T (+ bias), both with unit stride along K."""
+    m, k = x.shape
+    n = weight.shape[0]
+    split = config.splits > 1
+    partials = torch.empty((config.splits, m, n), dtype=torch.float32, device=x.device) if split else out
+    arrivals = _arrival_counters(x.device) if split else out
+    upcast = dispatch.INTERPRETER and x.dtype == torch.bfloat16
+    _gemv_kernel[(cdiv(n, config.block_n), config.splits)](
+        x, weight, out if bias is None else bias, out, partials, arrivals, m, n, k, x.stride(0), weight.stride(0),
+        config.k_per_split, config.splits,
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(x.get_device()))
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Returns a new contiguous [..., N] tensor. Operands without unit stride along K (and a
+    strided bias) are copied first: a transposed weight costs a copy of it every call."""
+    k, n = x.shape[-1], weight.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
+    launch(rows, weight, bias, out, config_for(n, k, x.element_size(), x.get_device()))
+    return out

@@ -1,0 +1,163 @@
+"""small_batch_linear (nanovllm/kernels/gemv.py) against F.linear in float64, on both of its
+paths (one program per feature tile, and split-K with the last program reducing), and
+kernels.linear's choice between it and F.linear. Tolerances: kernel_testing.TOLERANCE."""
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testing import (FP32_INTERPRETER_AND_GPU, TARGETS, assert_close, capture_and_replay, poison_allocator,
+                            randn, require_triton, strided_rows, upcast)
+
+from nanovllm import kernels
+from nanovllm.kernels import reference, small_batch_linear
+
+# (rows, features N, input K, whether the launch rule splits K on a 132-SM GPU and in the
+# interpreter (None: only on the GPU), with a bias)
+SHAPES = [(1, 77, 300, True, True), (5, 130, 1000, True, False), (16, 600, 40, False, True),
+          (3, 1030, 2047, None, False)]
+
+
+def _gemv():
+    from nanovllm.kernels import gemv  # imports Triton: only where the tests need it
+    return gemv
+
+
+def _device_index(device: str) -> int:
+    return torch.cuda.current_device() if device == "cuda" else -1
+
+
+def _check(x, weight, bias, dtype):
+    poison_allocator(64 * weight.shape[0] * 4, x.device.type)  # room for the output and the partials
+    out = small_batch_linear(x, weight, bias)
+    assert out.is_contiguous()
+    assert_close(out, reference.small_batch_linear(*upcast(x, weight), None if bias is None else bias.double()), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("rows,n,k,splits,with_bias", SHAPES)
+def test_matches_float64(device, dtype, rows, n, k, splits, with_bias):
+    require_triton(device)
+    if splits is not None:
+        config = _gemv().config_for(n, k, torch.tensor([], dtype=dtype).element_size(), _device_index(device))
+        assert (config.splits > 1) == splits, config
+    x, weight = randn(rows, k, dtype=dtype, device=device), randn(n, k, dtype=dtype, device=device)
+    bias = randn(n, dtype=dtype, device=device) if with_bias else None
+    _check(x, weight, bias, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+def test_strided_and_offset_operands(device, dtype):
+    """Rows further apart than K, leading dimensions, a transposed x (copied), weight rows of
+    a wider buffer, a weight one element off its buffer's start, a strided bias."""
+    require_triton(device)
+    n, k = 130, 300
+    weight, bias = randn(n, k, dtype=dtype, device=device), randn(n, dtype=dtype, device=device)
+    for x in (strided_rows(3, k, dtype, device), randn(2, 3, k, dtype=dtype, device=device),
+              randn(k, 4, dtype=dtype, device=device).t()):
+        _check(x, weight, bias, dtype)
+    x = randn(4, k, dtype=dtype, device=device)
+    _check(x, strided_rows(n, k, dtype, device), bias, dtype)
+    _check(x, randn(n * k + 1, dtype=dtype, device=device)[1:].view(n, k), bias, dtype)
+    _check(x, weight, randn(n, 2, dtype=dtype, device=device)[:, 1], dtype)
+    _check(x, randn(k, n, dtype=dtype, device=device).t(), None, dtype)
+    _check(x[0], weight, bias, dtype)  # one row without a row dimension
+
+
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
+def test_every_k_block_its_own_split_and_counters_left_at_zero(device, dtype):
+    """As many splits as K blocks (the most partials one reduction adds), twice in a row: a
+    counter not set back to 0 would leave the second call's outputs unwritten (NaN)."""
+    require_triton(device)
+    gemv = _gemv()
+    rows, n, k = 7, 150, 1000
+    config = gemv.config_for(n, k, torch.tensor([], dtype=dtype).element_size(), _device_index(device),
+                             programs_per_sm=4096)
+    assert config.splits == -(-k // config.block_k) > 2
+    x, weight, bias = (randn(rows, k, dtype=dtype, device=device), randn(n, k, dtype=dtype, device=device),
+                       randn(n, dtype=dtype, device=device))
+    expected = reference.small_batch_linear(*upcast(x, weight, bias))
+    for _ in range(2):
+        poison_allocator(rows * n * 4 * (config.splits + 1), device)
+        out = torch.empty(rows, n, dtype=dtype, device=device)
+        gemv.launch(x, weight, bias, out, config)
+        assert_close(out, expected, dtype)
+    assert not gemv._arrival_counters(torch.device(device)).any()
+
+
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
+def test_empty_operands(device, dtype):
+    require_triton(device)
+    weight, bias = randn(5, 8, dtype=dtype, device=device), randn(5, dtype=dtype, device=device)
+    assert small_batch_linear(torch.empty(0, 8, dtype=dtype, device=device), weight, bias).shape == (0, 5)
+    x = randn(3, 8, dtype=dtype, device=device)
+    assert small_batch_linear(x, weight[:0], bias[:0]).shape == (3, 0)
+    # K = 0: the product is empty and only the bias is left
+    out = small_batch_linear(x[:, :0], weight[:, :0], bias)
+    assert torch.equal(out, bias.expand(3, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_qwen3_shapes_in_bf16(rows):
+    """The Qwen3-0.6B projections (qkv, o, gate_up, down) and its 151,936-row LM head."""
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)):
+        x = randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        weight = randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
+        _check(x, weight, None, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    """Split and unsplit launches replayed from a graph, twice: the counters are reset inside it."""
+    x = randn(2, 1024, dtype=torch.bfloat16, device="cuda")
+    for n in (1024, 151936):
+        weight, bias = randn(n, 1024, dtype=torch.bfloat16, device="cuda"), randn(n, dtype=torch.bfloat16, device="cuda")
+        expected = reference.small_batch_linear(*upcast(x, weight, bias))
+        graph_out = capture_and_replay(lambda: small_batch_linear(x, weight, bias))
+        assert_close(graph_out, expected, torch.bfloat16)
+    assert not _gemv()._arrival_counters(torch.device("cuda")).any()
+
+
+def test_the_boundary_and_the_kernel_agree_on_the_row_limit():
+    assert kernels.GEMV_MAX_ROWS == _gemv().MAX_ROWS
+
+
+def test_linear_keeps_f_linear_on_the_cpu():
+    """Where no GEMV runs, kernels.linear is F.linear itself, bit for bit."""
+    x, weight, bias = torch.randn(3, 20), torch.randn(7, 20), torch.randn(7)
+    assert torch.equal(kernels.linear(x, weight, bias), F.linear(x, weight, bias))
+    assert torch.equal(kernels.linear(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.gpu
+def test_linear_routes_small_batches_to_the_gemv(monkeypatch):
+    calls = []
+
+    def recording(x, weight, bias=None):
+        calls.append(x.shape[0])
+        return small_batch_linear(x, weight, bias)
+
+    monkeypatch.setattr(kernels, "small_batch_linear", recording)
+    monkeypatch.setattr(kernels, "gemv_enabled", True)
+    weight = randn(64, 32, dtype=torch.bfloat16, device="cuda")
+    for rows in (1, 16, 17):
+        kernels.linear(randn(rows, 32, dtype=torch.bfloat16, device="cuda"), weight)
+    assert calls == [1, 16]
+    monkeypatch.setattr(kernels, "gemv_enabled", False)
+    kernels.linear(randn(1, 32, dtype=torch.bfloat16, device="cuda"), weight)
+    assert calls == [1, 16]
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda: small_batch_linear(torch.arange(8).view(1, 8), torch.randn(3, 8)), "x"),
+    (lambda: small_batch_linear(torch.randn(1, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)), "x"),
+    (lambda: small_batch_linear(torch.randn(17, 8), torch.randn(3, 8)), "x"),
+    (lambda: small_batch_linear(torch.randn(3, 6, 8), torch.randn(3, 8)), "x"),
+    (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(3, 7)), "weight"),
+    (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(3, 8, dtype=torch.float16)), "weight"),
+    (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(8)), "weight"),
+    (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(3, 8), torch.randn(4)), "bias"),
+    (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(3, 8), torch.randn(3, dtype=torch.float16)), "bias"),
+])
+def test_bad_arguments_name_the_argument(call, name):
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        call()

@@ -7,7 +7,7 @@ per output token after the first (TPOT), inter-token latency (ITL, between strea
 and end-to-end latency (E2EL), mean and p50/p90/p99 in ms.
 
     nanovllm serve nanovllm/configs/qwen3-0.6b --load-format dummy --max-model-len 2048 &
-    python benchmarks/bench_serving.py --max-concurrency 1,16,64,256 --out serving_out
+    python -m benchmarks.bench_serving --max-concurrency 1,16,64,256 --out serving_out
 
 Several comma-separated rates or concurrencies run one after the other; the results go to
 OUT/bench_serving.json and a plot of latency against the varied setting to OUT/bench_serving.png.
@@ -18,14 +18,12 @@ import json
 import os
 import random
 import ssl
-import sys
 import time
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import GPU_DEFAULTS, make_workload, versions  # noqa: E402
+from bench import GPU_DEFAULTS, make_workload, versions
 
 PERCENTILES = (50, 90, 99)
 

@@ -70,11 +70,11 @@ done
 echo "serving on $URL"
 
 stage "bench_serving: bench.py's workload at max concurrency 256"
-python3 benchmarks/bench_serving.py --base-url "$URL" --max-concurrency 256 --out "$OUT/serving_256" \
+python3 -m benchmarks.bench_serving --base-url "$URL" --max-concurrency 256 --out "$OUT/serving_256" \
   2>&1 | tee "$OUT/serving_256.log" | grep -E "throughput|P50|P99|Failed"
 
 stage "bench_serving: 1024-token prompts, 128 output tokens, 1/16/64 streams"
-python3 benchmarks/bench_serving.py --base-url "$URL" --max-concurrency 1,16,64 --num-prompts 128 \
+python3 -m benchmarks.bench_serving --base-url "$URL" --max-concurrency 1,16,64 --num-prompts 128 \
   --min-input-len 1024 --max-input-len 1024 --min-output-len 128 --max-output-len 128 --out "$OUT/serving_streams" \
   2>&1 | tee "$OUT/serving_streams.log" | grep -E "====|Output token|P50 TTFT|P99 TTFT|P50 TPOT|P99 TPOT|Failed"
 

@@ -1,15 +1,12 @@
 """Fixtures for the server tests: a tiny checkpoint whose tokenizer has a chat template, and the
 server most tests share (servers.py)."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from checkpoints import build_checkpoint, copy_checkpoint
 from servers import CHAT_TEMPLATE, ENGINE_ARGS, RunningServer, TIMEOUT
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoints import build_checkpoint, copy_checkpoint  # noqa: E402
 
 
 def edit_json(path: Path, **changes) -> None:

@@ -72,8 +72,8 @@ def sse(payload) -> str:
 class Choice:
     """One choice of a response: its engine request and its text so far."""
 
-    def __init__(self, index: int, state: RequestState, text: TextStream, prompt: int):
-        self.index, self.state, self.text, self.prompt = index, state, text, prompt
+    def __init__(self, index: int, state: RequestState, text: TextStream):
+        self.index, self.state, self.text = index, state, text
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
 
@@ -98,9 +98,8 @@ class OpenAIServer:
         self.model_dir = model
         self.model_name = served_model_name or model
         self.api_key, self.max_queue = api_key, max_queue
-        self.engine = AsyncEngine(model, engine_args, metrics=None, engine_class=engine_class)
-        self.metrics = ServerMetrics(self.model_name, self.engine)
-        self.engine.metrics = self.metrics
+        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
+        self.engine = AsyncEngine(model, engine_args, self.metrics, engine_class)
         self.tokenizer = None
         self.tokenizer_loaded = False
 
@@ -114,7 +113,7 @@ class OpenAIServer:
         try:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
         except Exception as exc:
-            self.engine._fail(f"the tokenizer failed to load: {type(exc).__name__}: {exc}")
+            self.engine.fail(f"the tokenizer failed to load: {type(exc).__name__}: {exc}")
             return
         self.tokenizer_loaded = True
 
@@ -227,10 +226,9 @@ class OpenAIServer:
                   for p in prompts]
         event = asyncio.Event()
         choices = []
-        for p, (prompt, prompt_params) in enumerate(zip(prompts, params)):
+        for prompt, prompt_params in zip(prompts, params):
             for sp in prompt_params:
-                state = self.engine.add(prompt, sp, event)
-                choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop), p))
+                choices.append(Choice(len(choices), self.engine.add(prompt, sp, event), TextStream(self.tokenizer, stop)))
         try:
             await until_disconnected(raw, self._accepted(choices, event, prompt_param))
         except ClientDisconnected:
@@ -259,7 +257,8 @@ class OpenAIServer:
         self.engine.abort([c.state for c in choices])
         now = time.perf_counter()
         for c in choices:
-            self.metrics.finished(c.finish_reason or "abort", now - c.state.arrival)
+            reason = c.finish_reason or ("error" if c.state.error is not None else "abort")
+            self.metrics.finished(reason, now - c.state.arrival)
 
     async def generate(self, choices: list[Choice], event: asyncio.Event):
         """Yields (choice, delta, new token ids) as output arrives, until every choice is done;
@@ -350,15 +349,19 @@ class OpenAIServer:
             self.finish(choices)
 
     def stream(self, deltas, choices: list[Choice], request: SamplingRequest, usage_chunk) -> StreamingResponse:
-        """Server-sent events: the deltas, an optional usage chunk, then [DONE]. An engine
-        failure midway is sent as an error event before [DONE]."""
+        """Server-sent events: the deltas, an optional usage chunk, then [DONE]. An error
+        midway (the engine died) is sent as an error event before [DONE]."""
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+
         async def events():
             try:
                 async for event in deltas:
                     yield event
-                if request.stream_options is not None and request.stream_options.include_usage:
+                if include_usage:
                     yield sse(usage_chunk())
-            except EngineDeadError as exc:
+            except Exception as exc:
+                if not isinstance(exc, EngineDeadError):
+                    logger.exception("a streamed response failed")
                 yield sse(engine_error(exc).body())
             finally:  # also when the client left: the task is cancelled
                 self.finish(choices)
@@ -399,11 +402,12 @@ async def until_disconnected(raw: Request, awaitable):
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_disconnected(raw))
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-    if task not in done:
+        disconnected = not task.done()
         task.cancel()
+    if disconnected:
         raise ClientDisconnected
     return task.result()
 

@@ -154,7 +154,7 @@ class RequestState:
 class AsyncEngine:
     """The server's handle on the engine process. Lives on the server's event loop: add() and
     abort() only queue a message; one reader task routes each step's tokens to the requests'
-    states. `metrics` is told of every token and of the engine's stats."""
+    states. `metrics` (metrics.ServerMetrics) is told of every token."""
 
     def __init__(self, model: str, engine_args: dict, metrics, engine_class=None):
         self.model, self.engine_args, self.engine_class = model, engine_args, engine_class
@@ -188,7 +188,7 @@ class AsyncEngine:
         if self.process is None:
             return
         running = self.error is None
-        self._fail("the server is shutting down", notify=False)
+        self.fail("the server is shutting down", notify=False)
         if running:
             self._send(("shutdown",))
         await asyncio.get_running_loop().run_in_executor(None, self.process.join, timeout)
@@ -235,11 +235,12 @@ class AsyncEngine:
                 elif message[0] == "ready":
                     self.info = message[1]
                 else:  # failed or fatal
-                    self._fail(f"the engine {'failed to start' if message[0] == 'failed' else 'failed'}: "
+                    self.fail(f"the engine {'failed to start' if message[0] == 'failed' else 'failed'}: "
                                f"{message[1]}")
         except (asyncio.IncompleteReadError, ConnectionError):
-            code = self.process.exitcode if self.process is not None else None
-            self._fail(f"the engine process exited (exit code {code})")
+            if self.error is None:  # the socket closed: the process is exiting, wait for its exit code
+                await asyncio.get_running_loop().run_in_executor(None, self.process.join, 5.0)
+                self.fail(f"the engine process exited (exit code {self.process.exitcode})")
 
     def _on_step(self, outputs, accepted, rejected, stats) -> None:
         now = time.perf_counter()
@@ -271,7 +272,9 @@ class AsyncEngine:
         self.metrics.generation_tokens(len(outputs))
         self.stats = stats
 
-    def _fail(self, message: str, notify: bool = True) -> None:
+    def fail(self, message: str, notify: bool = True) -> None:
+        """Marks the engine gone: every request in flight gets EngineDeadError, new ones are
+        refused. `notify`: tell on_load_failure, if the engine never became ready."""
         if self.error is not None:
             return
         self.error = message

@@ -11,11 +11,11 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 
 
 class _EngineCollector:
-    def __init__(self, engine, labels: dict):
-        self.engine, self.labels = engine, labels
+    def __init__(self, stats, labels: dict):
+        self.stats, self.labels = stats, labels
 
     def collect(self):
-        stats, names, values = self.engine.stats, list(self.labels), list(self.labels.values())
+        stats, names, values = self.stats(), list(self.labels), list(self.labels.values())
         total = stats.get("kv_blocks_total") or 1
         for name, doc, value in (
                 ("num_requests_running", "Requests in the engine's running batch.", stats.get("num_running", 0)),
@@ -35,10 +35,12 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, engine):
+    """`stats()` returns the engine's latest stats (AsyncEngine.stats)."""
+
+    def __init__(self, model_name: str, stats):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
-        self.registry.register(_EngineCollector(engine, labels))
+        self.registry.register(_EngineCollector(stats, labels))
 
         def metric(cls, name, doc, **more):
             return cls(f"nanovllm:{name}", doc, list(labels), registry=self.registry, **more).labels(**labels)
@@ -68,9 +70,9 @@ class ServerMetrics:
         self._itl.observe(seconds)
 
     def finished(self, reason: str, seconds: float) -> None:
-        """One request done: reason stop, length, or abort (the client left or a stop string ended it early)."""
+        """One engine request done: stop, length, abort (its client left) or error (the engine failed)."""
         self._finished.labels(**self._labels, finished_reason=reason).inc()
-        if reason != "abort":
+        if reason in ("stop", "length"):
             self._e2e.observe(seconds)
 
     def render(self) -> bytes:

@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -33,6 +33,12 @@ class SamplingRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        """A field sent as null gets its default, as if left out (some clients send nulls)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def unsupported(self) -> str | None:
         """The first field set to a value the engine cannot honour."""

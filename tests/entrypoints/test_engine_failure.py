@@ -39,6 +39,8 @@ def test_requests_fail_cleanly_when_the_engine_dies(chat_checkpoint, failure):
                 assert response.status_code == 500 and response.json()["error"]["code"] == "engine_error"
             assert http.get("/health").status_code == 503
             refused = http.post("/v1/completions", json=LONG)
-            assert refused.status_code == 503 and "not running" in refused.json()["error"]["message"]
+            message = refused.json()["error"]["message"]
+            assert refused.status_code == 503 and "not running" in message
+            assert ("exit code -9" if failure == "killed" else "RuntimeError: injected step failure") in message
     finally:
         server.stop()

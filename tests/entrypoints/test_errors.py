@@ -118,9 +118,10 @@ def test_a_bad_prompt_among_several_leaves_nothing_running(server):
     assert server.engine.requests == {} and server.engine.num_waiting == 0
 
 
-def test_unknown_fields_are_ignored(server):
-    response = post(server, "/v1/completions", {**COMPLETION, "frobnicate": True, "user": "someone"})
-    assert response.status_code == 200
+def test_unknown_fields_are_ignored_and_nulls_are_defaults(server):
+    response = post(server, "/v1/completions", {**COMPLETION, "frobnicate": True, "user": "someone", "n": None,
+                                                "stream": None, "stop": None, "temperature": None})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1
 
 
 def test_unknown_paths_and_methods_answer_in_the_error_shape(server):

@@ -132,8 +132,9 @@ def summarize(results: list[dict], duration: float, rate: float, concurrency: in
     ok = [r for r in results if r["error"] is None]
     out_tokens = sum(r["output_tokens"] for r in ok)
     in_tokens = sum(r["prompt_len"] for r in ok)
-    summary = {"request_rate": "inf" if rate == float("inf") else rate, "max_concurrency": concurrency, "completed": len(ok),
-               "failed": len(results) - len(ok), "errors": sorted({str(r["error"]) for r in results} - {"None"})[:5],
+    summary = {"request_rate": "inf" if rate == float("inf") else rate, "max_concurrency": concurrency,
+               "completed": len(ok), "failed": len(results) - len(ok),
+               "errors": sorted({str(r["error"]) for r in results if r["error"] is not None})[:5],
                "duration_s": round(duration, 3), "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
                "request_throughput": round(len(ok) / duration, 3), "output_throughput": round(out_tokens / duration, 1),
                "total_token_throughput": round((in_tokens + out_tokens) / duration, 1)}

@@ -228,7 +228,8 @@ class OpenAIServer:
         choices = []
         for prompt, prompt_params in zip(prompts, params):
             for sp in prompt_params:
-                choices.append(Choice(len(choices), self.engine.add(prompt, sp, event), TextStream(self.tokenizer, stop)))
+                state = self.engine.add(prompt, sp, event)
+                choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop)))
         try:
             await until_disconnected(raw, self._accepted(choices, event, prompt_param))
         except ClientDisconnected:
@@ -290,55 +291,49 @@ class OpenAIServer:
     async def completions(self, request: CompletionRequest, raw: Request):
         self.check_model(request.model)
         self.check_ready()
-        prompts = self.completion_prompts(request.prompt)
-        choices, event = await self.start_choices(request, prompts, chat=False, raw=raw)
-        response_id, created = new_id("cmpl"), int(time.time())
-
-        def chunk(choices_out, usage=None):
-            return CompletionResponse(id=response_id, created=created, model=self.model_name,
-                                      choices=choices_out, usage=usage)
-
-        if request.stream:
-            async def deltas():
-                async for c, delta, token_ids in self.generate(choices, event):
-                    if delta or c.finish_reason or (request.return_token_ids and token_ids):
-                        yield sse(chunk([CompletionChoice(index=c.index, text=delta, finish_reason=c.finish_reason,
-                                                          token_ids=token_ids if request.return_token_ids else None)]))
-
-            return self.stream(deltas(), choices, request, lambda: chunk([], self.usage(prompts, choices)))
-        await self.run_to_end(choices, event, raw)
-        return chunk([CompletionChoice(index=c.index, text=c.text.text, finish_reason=c.finish_reason,
-                                       token_ids=c.token_ids if request.return_token_ids else None)
-                      for c in choices], self.usage(prompts, choices))
+        return await self.respond(request, self.completion_prompts(request.prompt), raw, chat=False)
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request):
         self.check_model(request.model)
         self.check_ready()
-        prompts = [self.chat_prompt(request.messages)]
-        choices, event = await self.start_choices(request, prompts, chat=True, raw=raw)
-        response_id, created = new_id("chatcmpl"), int(time.time())
+        return await self.respond(request, [self.chat_prompt(request.messages)], raw, chat=True)
 
-        def chunk(choices_out, usage=None):
-            return ChatCompletionChunk(id=response_id, created=created, model=self.model_name,
-                                       choices=choices_out, usage=usage)
+    async def respond(self, request: SamplingRequest, prompts: list[list[int]], raw: Request, chat: bool):
+        """Runs the request's choices and answers with the whole response, or streams it."""
+        choices, event = await self.start_choices(request, prompts, chat, raw)
+        response_id, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        with_ids = request.return_token_ids
+
+        def chunk(choices_out: list, usage: Usage | None = None):
+            return (ChatCompletionChunk if chat else CompletionResponse)(
+                id=response_id, created=created, model=self.model_name, choices=choices_out, usage=usage)
+
+        def choice_out(c: Choice, text: str, token_ids: list[int], streamed: bool):
+            token_ids = token_ids if with_ids else None
+            if not chat:
+                return CompletionChoice(index=c.index, text=text, finish_reason=c.finish_reason, token_ids=token_ids)
+            if streamed:
+                return ChatChunkChoice(index=c.index, delta=Delta(content=text or None), finish_reason=c.finish_reason,
+                                       token_ids=token_ids)
+            return ChatChoice(index=c.index, message=AssistantMessage(content=text), finish_reason=c.finish_reason,
+                              token_ids=token_ids)
 
         if request.stream:
             async def deltas():
-                for c in choices:  # the first delta of each choice carries the role
+                for c in choices if chat else ():  # the first delta of each choice carries the role
                     yield sse(chunk([ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))]))
                 async for c, delta, token_ids in self.generate(choices, event):
-                    if delta or c.finish_reason or (request.return_token_ids and token_ids):
-                        yield sse(chunk([ChatChunkChoice(index=c.index, delta=Delta(content=delta or None),
-                                                         finish_reason=c.finish_reason,
-                                                         token_ids=token_ids if request.return_token_ids else None)]))
+                    if delta or c.finish_reason or (with_ids and token_ids):
+                        yield sse(chunk([choice_out(c, delta, token_ids, streamed=True)]))
 
             return self.stream(deltas(), choices, request, lambda: chunk([], self.usage(prompts, choices)))
         await self.run_to_end(choices, event, raw)
-        return ChatCompletionResponse(
-            id=response_id, created=created, model=self.model_name, usage=self.usage(prompts, choices),
-            choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text.text),
-                                finish_reason=c.finish_reason,
-                                token_ids=c.token_ids if request.return_token_ids else None) for c in choices])
+        choices_out = [choice_out(c, c.text.text, c.token_ids, streamed=False) for c in choices]
+        usage = self.usage(prompts, choices)
+        if chat:
+            return ChatCompletionResponse(id=response_id, created=created, model=self.model_name,
+                                          choices=choices_out, usage=usage)
+        return chunk(choices_out, usage)
 
     async def run_to_end(self, choices: list[Choice], event: asyncio.Event, raw: Request) -> None:
         try:

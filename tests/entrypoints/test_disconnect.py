@@ -22,7 +22,8 @@ def body(rng: random.Random, **more) -> dict:
 async def drop_stream(http: httpx.AsyncClient, rng: random.Random, n: int) -> int:
     """Closes a stream of n choices once it has 1-3 data chunks; returns the choices dropped."""
     chunks = rng.randint(1, 3)
-    async with http.stream("POST", "/v1/completions", json=body(rng, stream=True, n=n, return_token_ids=True)) as response:
+    request = body(rng, stream=True, n=n, return_token_ids=True)  # token ids: a chunk for every token
+    async with http.stream("POST", "/v1/completions", json=request) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             chunks -= line.startswith("data: {")

@@ -20,7 +20,8 @@ def test_requests_fail_cleanly_when_the_engine_dies(chat_checkpoint, failure):
     url = server.url
     try:
         with httpx.Client(base_url=url, timeout=TIMEOUT) as http, ThreadPoolExecutor(2) as pool:
-            with http.stream("POST", "/v1/completions", json={**LONG, "stream": True, "return_token_ids": True}) as stream:
+            streamed = {**LONG, "stream": True, "return_token_ids": True}
+            with http.stream("POST", "/v1/completions", json=streamed) as stream:
                 lines = stream.iter_lines()
                 next(line for line in lines if line.startswith("data: {"))
                 waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=LONG, timeout=TIMEOUT)

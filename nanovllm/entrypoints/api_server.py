@@ -194,8 +194,8 @@ class OpenAIServer:
                                   **{k: v for k, v in sampling.items() if v is not None})
         except ValueError as exc:
             error = bad_request(exc)
-            if error.param == "max_tokens":
-                error.param = source
+            if error.param == "max_tokens":  # the request may have named it max_completion_tokens
+                error.param, error.message = source, error.message.replace("max_tokens", source, 1)
             raise error from None
 
     def check_request(self, request: SamplingRequest) -> list[str]:
@@ -499,9 +499,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if errors[0].get("type") == "json_invalid":
             return APIError(400, f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}").response()
         param = str(errors[0]["loc"][1]) if len(errors[0]["loc"]) > 1 else None  # loc[0] is "body"
-        # A union field (prompt, stop) fails once per member: name each way it failed.
-        messages = dict.fromkeys(e["msg"] for e in errors if e["loc"][1:2] == errors[0]["loc"][1:2])
-        return APIError(400, f"{param or 'body'}: {' or '.join(messages)}", param=param).response()
+        messages = list(dict.fromkeys(e["msg"] for e in errors if e["loc"][1:2] == errors[0]["loc"][1:2]))
+        if len(messages) > 1:  # a union field (prompt, stop) fails once per accepted form
+            return APIError(400, f"{param}: matches none of its accepted forms ({'; '.join(messages)})",
+                            param=param).response()
+        return APIError(400, f"{param or 'body'}: {messages[0]}", param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):

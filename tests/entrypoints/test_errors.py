@@ -20,6 +20,8 @@ def assert_error(response, status: int, param: str | None = None) -> dict:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param, error
+    if status == 400 and param:
+        assert error["message"].startswith(param), error  # the message names the field too
     return error
 
 
@@ -49,6 +51,9 @@ def test_malformed_bodies(server, body):
     ("/v1/completions", {**COMPLETION, "max_tokens": 2.5}, "max_tokens"),
     ("/v1/completions", {**COMPLETION, "stream": "sometimes"}, "stream"),
     ("/v1/completions", {**COMPLETION, "stop": 5}, "stop"),
+    ("/v1/completions", {**COMPLETION, "seed": "x"}, "seed"),
+    ("/v1/completions", {**COMPLETION, "n": 1.5}, "n"),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": "3"}, "stop_token_ids"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": "Hello"}, "messages"),
 ])

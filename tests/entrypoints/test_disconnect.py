@@ -4,14 +4,23 @@ import asyncio
 import random
 
 import httpx
+import pytest
 
-from servers import wait_until
+from servers import RunningServer, wait_until
 
 DROPS = 60  # of each kind
 CONCURRENCY = 16
-# Far more than any request gets before its client leaves (prompt + output fill max_model_len):
-# requests that were not aborted would hold blocks for seconds after the last client left.
-MAX_TOKENS = 248
+# Far more than any request gets before its client leaves (prompt + output fill the server's
+# max_model_len): requests that were not aborted would hold blocks for seconds after the last
+# client left, and a non-streamed one cannot finish before its client's timeout.
+MAX_TOKENS = 1016
+
+
+@pytest.fixture(scope="module")
+def server(chat_checkpoint):
+    running = RunningServer(chat_checkpoint, {"max_model_len": 1024, "num_kvcache_blocks": 512}).start()
+    yield running
+    running.stop()
 
 
 def body(rng: random.Random, **more) -> dict:

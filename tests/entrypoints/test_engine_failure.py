@@ -11,12 +11,14 @@ import pytest
 
 from servers import TIMEOUT, FailingEngine, RunningServer, wait_until
 
-LONG = {"prompt": [3, 4, 5, 6], "max_tokens": 248, "ignore_eos": True, "temperature": 1.0}
+# Requests that run for a second or more, so they are still running when the engine dies.
+LONG = {"prompt": [3, 4, 5, 6], "max_tokens": 1000, "ignore_eos": True, "temperature": 1.0}
+LONG_ARGS = {"max_model_len": 1024, "num_kvcache_blocks": 512}
 
 
 @pytest.mark.parametrize("failure", ["killed", "raising"])
 def test_requests_fail_cleanly_when_the_engine_dies(chat_checkpoint, failure):
-    server = RunningServer(chat_checkpoint, engine_class=FailingEngine if failure == "raising" else None).start()
+    server = RunningServer(chat_checkpoint, LONG_ARGS, engine_class=FailingEngine if failure == "raising" else None).start()
     url = server.url
     try:
         with httpx.Client(base_url=url, timeout=TIMEOUT) as http, ThreadPoolExecutor(2) as pool:

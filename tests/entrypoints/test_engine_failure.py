@@ -18,7 +18,8 @@ LONG_ARGS = {"max_model_len": 1024, "num_kvcache_blocks": 512}
 
 @pytest.mark.parametrize("failure", ["killed", "raising"])
 def test_requests_fail_cleanly_when_the_engine_dies(chat_checkpoint, failure):
-    server = RunningServer(chat_checkpoint, LONG_ARGS, engine_class=FailingEngine if failure == "raising" else None).start()
+    engine_class = FailingEngine if failure == "raising" else None
+    server = RunningServer(chat_checkpoint, LONG_ARGS, engine_class=engine_class).start()
     url = server.url
     try:
         with httpx.Client(base_url=url, timeout=TIMEOUT) as http, ThreadPoolExecutor(2) as pool:

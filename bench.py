@@ -4,9 +4,12 @@ Qwen3-0.6B architecture with random (dummy) bf16 weights. No download, no argume
 
 Without a GPU the defaults shrink to a small Qwen3-shaped model and workload (under a minute
 on 2 CPU cores). --profile writes a torch.profiler trace of a few prefill and decode steps;
---compare-hf runs the same prompts through Hugging Face transformers in the same run."""
+--compare-hf runs the same prompts through Hugging Face transformers in the same run.
+--tensor-parallel-size and --data-parallel-size split the model over GPUs or run replicas
+(docs/distributed.md)."""
 import argparse
 import cProfile
+import glob
 import json
 import os
 import platform
@@ -30,7 +33,8 @@ CPU_DEFAULTS = dict(model=os.path.join(CONFIGS, "qwen3-tiny"), num_seqs=16, min_
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint folder (default: packaged config with dummy weights)")
+    parser.add_argument("--model", help="checkpoint folder; one with only a config.json (nanovllm/configs/*) runs on "
+                                        "dummy weights (default: the packaged Qwen3 config)")
     parser.add_argument("--num-seqs", type=int)
     parser.add_argument("--min-input-len", type=int)
     parser.add_argument("--max-input-len", type=int)
@@ -39,20 +43,26 @@ def parse_args():
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="write profile_trace.json and profile_report.txt")
     parser.add_argument("--compare-hf", action="store_true", help="also run Hugging Face transformers")
     parser.add_argument("--out", default="bench_out", help="folder for the profile and the JSON results")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.data_parallel_size != 1 and args.profile:
+        parser.error("--profile profiles one engine's steps: it needs --data-parallel-size 1")
+    return args
 
 
 def apply_defaults(args) -> bool:
-    """Fills unset workload flags for the device; returns whether the packaged config is used."""
+    """Fills unset workload flags for the device; returns whether the model runs on dummy
+    weights (its folder has no safetensors)."""
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
-    dummy = args.model is None
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    dummy = not glob.glob(os.path.join(args.model, "*.safetensors"))
     if args.dtype == "auto" and dummy:
         args.dtype = "bfloat16" if on_gpu else "float32"
     if not on_gpu:
@@ -96,7 +106,8 @@ def timed_generate(llm, prompts, params) -> tuple[int, float]:
 
 
 def sync(llm) -> None:
-    if llm.config.torch_device.type == "cuda":
+    """Waits for this process's GPU work; data-parallel replicas have none left here."""
+    if llm.config.torch_device.type == "cuda" and llm.config.data_parallel_size == 1:
         torch.cuda.synchronize()
 
 
@@ -214,7 +225,8 @@ def main():
         load_format = "auto"
     max_len = args.max_input_len + args.max_output_len
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              load_format=load_format, max_model_len=max_len)
+              load_format=load_format, max_model_len=max_len, tensor_parallel_size=args.tensor_parallel_size,
+              data_parallel_size=args.data_parallel_size)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     tokens, seconds = timed_generate(llm, prompts, params)
     prompt_tokens = sum(len(p) for p in prompts)
@@ -222,7 +234,8 @@ def main():
               "model": os.path.basename(os.path.normpath(args.model)), "num_seqs": len(prompts),
               "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_per_s": round(tokens / seconds, 1),
               "total_tok_per_s": round((tokens + prompt_tokens) / seconds, 1),
-              "enforce_eager": args.enforce_eager, **versions(), "date": time.strftime("%Y-%m-%d")}
+              "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
+              "data_parallel_size": args.data_parallel_size, **versions(), "date": time.strftime("%Y-%m-%d")}
     ttft_len = min(1024, args.max_input_len)
     result[f"ttft_ms_{ttft_len}_tokens"] = round(time_to_first_token_ms(llm, ttft_len), 2)
     print(f"Generated {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} output tok/s, "
@@ -233,6 +246,7 @@ def main():
         profile_first_token(llm, ttft_len, args.out)
     if args.compare_hf:
         device, dtype = llm.config.torch_device, llm.config.torch_dtype
+        llm.close()  # a tensor-parallel engine frees its other GPUs too
         del llm
         hf = run_hf(model_dir, prompts, params, device, dtype)
         hf_rate = hf["tokens"] / hf["seconds"]

@@ -1,12 +1,18 @@
+from nanovllm.config import Config
+from nanovllm.distributed import torchrun_env
+from nanovllm.engine.data_parallel import DataParallelLLM
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.worker import serve_torchrun_rank
 
 
 class LLM(LLMEngine):
     """Offline and online generation from a Hugging Face Qwen3/Qwen2 checkpoint folder.
 
     LLM(model_dir, device="auto", dtype="auto", max_num_seqs=256, max_num_batched_tokens=8192,
-        max_model_len=4096, kvcache_block_size=128, num_kvcache_blocks=-1, gpu_memory_utilization=0.9,
-        enable_prefix_caching=True, enforce_eager=False, load_format="auto", generation_config="auto")
+        max_model_len=4096, tensor_parallel_size=1, data_parallel_size=1, kvcache_block_size=128,
+        num_kvcache_blocks=-1, gpu_memory_utilization=0.9, enable_prefix_caching=True,
+        enforce_eager=False, load_format="auto", generation_config="auto")
 
     device "auto" takes CUDA when present, else the CPU. dtype "auto" keeps the checkpoint's
     dtype (fp32 checkpoints run in bf16 on a GPU). The KV cache takes gpu_memory_utilization of
@@ -38,4 +44,29 @@ class LLM(LLMEngine):
     reading the tokens of the one before, so one step is in flight between calls; abort() works
     between steps (a token still in flight for the aborted request is dropped). Online requests
     keep running inside generate(); the outputs they produce there come from the next step(),
-    in order."""
+    in order.
+
+    tensor_parallel_size N splits the model across N GPUs (worker processes, started with
+    spawn: scripts need an `if __name__ == "__main__":` guard); data_parallel_size M > 1 returns
+    a DataParallelLLM of M such engines, which offers generate(). Under torchrun, LLM() on ranks
+    other than 0 serves rank 0 until it closes, then exits the process. close(), a `with` block
+    or the interpreter's exit stops the worker processes (docs/distributed.md)."""
+
+    def __new__(cls, model: str, **engine_args):
+        if engine_args.get("data_parallel_size", 1) != 1:
+            return DataParallelLLM(model, **engine_args)
+        torchrun = torchrun_env()
+        if torchrun and torchrun[0] > 0 and engine_args.get("tensor_parallel_size", 1) > 1:
+            serve_torchrun_rank(ModelRunner, Config(model, **engine_args))
+            raise SystemExit(0)
+        return super().__new__(cls)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks and leaves their group; later steps raise."""
+        self.model_runner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,5 +1,5 @@
-"""Tiny random Qwen3/Qwen2 checkpoints built with transformers itself, so engine tests can
-compare against the reference implementation without downloading anything.
+"""Tiny random Qwen3/Qwen2/Llama/Mistral/Gemma checkpoints built with transformers itself, so
+engine tests can compare against the reference implementation without downloading anything.
 
 A checkpoint folder holds what a real one does: config.json, generation_config.json,
 safetensors weights (single file or sharded with model.safetensors.index.json) and a
@@ -16,14 +16,37 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import (GemmaConfig, GemmaForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB_SIZE = 320
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 # Small enough that the ~0.5 MB model splits into several files.
 SHARD_SIZE = "150KB"
+
+# original_max_position_embeddings 64 puts every scaling regime (kept, blended, divided by the
+# factor) among the 16 frequencies of a 32-wide head.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+MISTRAL_WINDOW = 24  # shorter than most test prompts, 1.5 KV blocks of 16
+
+# name -> build_checkpoint arguments, for tests/models
+FAMILY_CHECKPOINTS = {
+    "llama2": dict(arch="llama", tied=False),
+    "llama3.1": dict(arch="llama", tied=False, rope_parameters=LLAMA3_ROPE),
+    # head_dim 32 with hidden 64 and 4 heads: the q projection is wider than the hidden state
+    "llama3.2": dict(arch="llama", tied=True, head_dim=32, rope_parameters=LLAMA3_ROPE, published_layout=False),
+    "llama_linear_bias": dict(arch="llama", tied=False, attention_bias=True, mlp_bias=True,
+                              rope_parameters=dict(rope_type="linear", rope_theta=10_000.0, factor=4.0)),
+    "llama_dynamic": dict(arch="llama", tied=True, rope_parameters=dict(rope_type="dynamic", rope_theta=10_000.0,
+                                                                        factor=2.0)),
+    "mistral_window": dict(arch="mistral", tied=False, sliding_window=MISTRAL_WINDOW),
+    "mistral_no_window": dict(arch="mistral", tied=False, sliding_window=None),
+    "gemma": dict(arch="gemma", head_dim=32),
+    "gemma_exact_gelu": dict(arch="gemma", hidden_act="gelu"),
+}
 
 # Training text for the tokenizer: any English works; it only has to yield enough merges to
 # fill VOCAB_SIZE on top of the 256 byte-level symbols.
@@ -60,7 +83,16 @@ def _train_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
 
 
-def _config(arch: str, tied: bool, eos_id: int, pad_id: int):
+ARCHS = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "gemma": (GemmaConfig, GemmaForCausalLM),
+}
+
+
+def _config(arch: str, tied: bool, eos_id: int, pad_id: int, overrides: dict):
     common = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
@@ -82,11 +114,10 @@ def _config(arch: str, tied: bool, eos_id: int, pad_id: int):
         bos_token_id=None,
         dtype="float32",
     )
-    if arch == "qwen3":
-        return Qwen3Config(**common), Qwen3ForCausalLM
-    if arch == "qwen2":
-        return Qwen2Config(**common), Qwen2ForCausalLM
-    raise ValueError(f"unknown arch {arch!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}")
+    config_class, model_class = ARCHS[arch]
+    return config_class(**{**common, **overrides}), model_class
 
 
 def _randomize_defaults(model: torch.nn.Module, seed: int) -> None:
@@ -103,9 +134,12 @@ def _randomize_defaults(model: torch.nn.Module, seed: int) -> None:
 
 def _write_published_rope_layout(path: Path) -> None:
     """transformers 5 writes `rope_parameters`; checkpoints published on the Hub (and read by
-    users) carry a top-level `rope_theta` instead. Rewrite config.json to that layout."""
+    users) carry a top-level `rope_theta` instead, and their scaling as `rope_scaling` (null
+    when unscaled). Rewrite config.json to that layout."""
     config = config_of(path)
-    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
     _write_config(path, config)
 
 
@@ -116,21 +150,25 @@ def build_checkpoint(
     sharded: bool = False,
     published_layout: bool = True,
     seed: int = 0,
+    **config,
 ) -> Path:
     """Write a tiny random checkpoint (model + tokenizer) to `path` and return it.
 
-    arch: "qwen3" (q/k norm, no qkv bias) or "qwen2" (qkv bias).
+    arch: "qwen3" (q/k norm, no qkv bias), "qwen2" (qkv bias), "llama", "mistral" (sliding
+        window unless config sets sliding_window=None) or "gemma".
     tied: share the embedding with the LM head (no lm_head.weight in the file).
     sharded: split the weights over several files with model.safetensors.index.json.
-    published_layout: config.json with top-level rope_theta like Hub checkpoints; False keeps
-        the transformers 5 `rope_parameters` layout.
+    published_layout: config.json with top-level rope_theta (and rope_scaling) like Hub
+        checkpoints; False keeps the transformers 5 `rope_parameters` layout.
+    config: fields of the transformers config that replace the tiny defaults (rope_parameters,
+        head_dim, sliding_window, attention_bias, hidden_act, ...).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    config, model_cls = _config(arch, tied, eos_id, pad_id)
+    config, model_cls = _config(arch, tied, eos_id, pad_id, config)
     with torch.random.fork_rng():  # leave the caller's global RNG as it was
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32).eval()

@@ -194,12 +194,7 @@ class LLMEngine:
         list of them (see split_prompts). `sampling_params`: one SamplingParams for all, a list
         of one per prompt, or None for the checkpoint's defaults. All prompts are checked
         before any is queued, so a bad one leaves the engine untouched."""
-        prompts = split_prompts(prompts)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError("sampling_params: needs one entry per prompt")
-        else:
-            sampling_params = [sampling_params] * len(prompts)
+        prompts, sampling_params = split_requests(prompts, sampling_params)
         seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -242,6 +237,16 @@ class LLMEngine:
                 "kv_blocks_free": manager.num_free_blocks, "prefix_cache_hit_blocks": manager.prefix_cache_hit_blocks,
                 "kv_block_size": manager.block_size, "num_preemptions": self.scheduler.num_preemptions,
                 **self.model_runner.memory_stats()}
+
+
+def split_requests(prompts, sampling_params) -> tuple[list, list]:
+    """generate()'s arguments as a list of single prompts and a list of their SamplingParams."""
+    prompts = split_prompts(prompts)
+    if not isinstance(sampling_params, list):
+        return prompts, [sampling_params] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError("sampling_params: needs one entry per prompt")
+    return prompts, sampling_params
 
 
 def split_prompts(prompts) -> list:

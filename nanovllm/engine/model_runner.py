@@ -2,19 +2,27 @@
 turns a scheduled batch into tensors, runs the forward pass (a captured CUDA graph for decode
 batches and single-sequence prefills) and samples. Nothing waits for the device until the
 sampled tokens are read, so the engine can schedule the next step meanwhile; that step's
-decode inputs are then the previous step's samples, taken on the device."""
+decode inputs are then the previous step's samples, taken on the device.
+
+With tensor_parallel_size N > 1 the runner in the engine's process is rank 0 of N: it starts
+ranks 1..N-1 (nanovllm.engine.worker), each a runner of the same class owning its shard, sends
+each step's prepared inputs to them, and all run the same forward pass. Rank 0 alone samples
+and broadcasts the tokens, which the next step's decode inputs on every rank are taken from."""
+import atexit
 import random
+import weakref
 
 import torch
 import xxhash
 
-from nanovllm import kernels
+from nanovllm import distributed, kernels
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER
+from nanovllm.engine.worker import Workers, start_ranks
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
-from nanovllm.models.qwen3 import MODEL_REGISTRY
+from nanovllm.models import MODEL_REGISTRY
 from nanovllm.sampling_params import GREEDY_TEMPERATURE
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
@@ -22,10 +30,10 @@ from nanovllm.utils.loader import init_dummy_weights, load_model
 
 class SampledTokens:
     """Token ids sampled on the device, on their way to the host: one non-blocking copy into
-    pinned memory, waited for only when read."""
+    pinned memory, waited for only when read (through `wait`, given an event, when set)."""
 
-    def __init__(self, tokens: torch.Tensor | None):
-        self.tokens = tokens
+    def __init__(self, tokens: torch.Tensor | None, wait=None):
+        self.tokens, self._wait = tokens, wait
         self._host = self._copied = None
         if tokens is not None and tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -38,28 +46,67 @@ class SampledTokens:
             return []
         if self._copied is None:
             return self.tokens.tolist()
+        if self._wait is not None:
+            self._wait(self._copied)
         self._copied.synchronize()
         return self._host.tolist()
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
-        self.config = config
-        self.device, self.dtype = config.torch_device, config.torch_dtype
+    def __init__(self, config: Config, rank: int = 0):
+        """`rank` > 0: a tensor-parallel rank in its own process, in the group already."""
+        self.config, self.rank = config, rank
+        self.tp_size = config.tensor_parallel_size
+        self.device, self.dtype = config.torch_device, config.torch_dtype  # "cuda": this rank's GPU
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.pin = self.device.type == "cuda"
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.workers: Workers | None = None
+        self.closed = False
+        # The layers take their shard from the process's group: one engine's at a time.
+        if distributed.rank_and_size() != ((rank, self.tp_size) if rank else (0, 1)):
+            raise RuntimeError("a tensor-parallel engine is open in this process; close() it first")
+        if self.tp_size > 1 and rank == 0:
+            self.workers = start_ranks(type(self), config)
+            # Stops the ranks when the engine is closed, collected, or the interpreter exits
+            # (registered after multiprocessing's exit hook, so it runs before it).
+            self._shutdown = weakref.finalize(self, _shutdown, self.workers, self.graphs)
+            atexit.register(self._shutdown)
+        try:
+            self._build()
+            if self.workers:
+                self.workers.wait_all()  # every rank built its shard
+        except BaseException as exc:
+            try:
+                if self.workers and not isinstance(exc, ValueError):  # a ValueError is every rank's
+                    self.workers.fail_after(exc)
+            finally:
+                self.close()
+            raise
+
+    def _build(self) -> None:
         self.model = self._build_model()
         self.sampler = Sampler()
         self.noise_rng = random.Random()  # seeds the noise of unseeded requests, from OS entropy
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
-        # The last launched step's samples, and each sampling request's row in them.
-        self._last_sampled = SampledTokens(None)
+        # The last launched step's samples (on every rank), and each sampling request's row in them.
+        self._last_tokens: torch.Tensor | None = None
         self._last_sample_rows: dict[int, int] = {}
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        if self.device.type == "cuda" and not config.enforce_eager and kernels.graph_capturable(self.device):
+        if self.device.type == "cuda" and not self.config.enforce_eager and kernels.graph_capturable(self.device):
             self._capture_graphs()
+
+    def close(self) -> None:
+        """Drops the CUDA graphs and, on rank 0 of several, stops the other ranks and leaves
+        their group. Later steps raise."""
+        self.closed = True
+        if self.workers:
+            self._shutdown()
+            return
+        self.graphs.clear()
+        if self.tp_size > 1:
+            distributed.destroy()
 
     # --- building -----------------------------------------------------------------------
     def _build_model(self):
@@ -78,8 +125,13 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         hf = self.config.hf_config
-        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * self.dtype.itemsize
+        per_token = 2 * hf.num_hidden_layers * self.num_kv_heads * hf.head_dim * self.dtype.itemsize
         return per_token * self.block_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Of this rank: its cache holds its share of the heads."""
+        return self.config.hf_config.num_key_value_heads // self.tp_size
 
     def _allocate_kv_cache(self) -> int:
         num_blocks, field = self.config.num_kvcache_blocks, "num_kvcache_blocks"
@@ -87,6 +139,8 @@ class ModelRunner:
             num_blocks, field = self._blocks_from_gpu_memory(), "gpu_memory_utilization"
         elif num_blocks <= 0:
             num_blocks = self._cpu_default_blocks()
+        if self.tp_size > 1:  # the scheduler's block ids must fit every rank's cache
+            num_blocks = self._min_across_ranks(num_blocks)
         if num_blocks < self.max_blocks_per_seq:
             raise ValueError(f"{field}: leaves room for {max(num_blocks, 0)} KV blocks of {self.block_size} tokens; "
                              f"one sequence of max_model_len={self.config.max_model_len} needs {self.max_blocks_per_seq}")
@@ -100,7 +154,7 @@ class ModelRunner:
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         hf = self.config.hf_config
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, hf.num_key_value_heads, hf.head_dim)
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, self.num_kv_heads, hf.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -117,6 +171,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._warmup(num_seqs, seq_len)
+        self._synchronize()
         peak_activations = torch.cuda.max_memory_allocated(self.device) - base
         del self.kv_cache
         torch.cuda.empty_cache()
@@ -139,9 +194,25 @@ class ModelRunner:
         reset_context()
         rows = self.config.max_num_seqs  # a full decode batch samples this many rows, with filters
         logits = self.model.compute_logits(hidden[-1:].expand(rows, -1))
-        ones = torch.ones(rows, device=device)
-        self.sampler(logits, ones, torch.zeros(rows, dtype=torch.long, device=device),
-                     torch.full((rows,), 50, device=device), ones * 0.9)
+        if logits is not None:  # None on ranks other than 0, which do not sample
+            ones = torch.ones(rows, device=device)
+            self.sampler(logits, ones, torch.zeros(rows, dtype=torch.long, device=device),
+                         torch.full((rows,), 50, device=device), ones * 0.9)
+
+    def _min_across_ranks(self, value: int) -> int:
+        value = distributed.all_reduce(torch.tensor([value], device=self.device), op=torch.distributed.ReduceOp.MIN)
+        self._synchronize()
+        return int(value.item())
+
+    def _synchronize(self) -> None:
+        """Waits for the device; rank 0 of several raises meanwhile if another rank fails."""
+        if self.device.type != "cuda":
+            return
+        if self.workers:
+            event = torch.cuda.Event()
+            event.record()
+            self.workers.wait_event(event)
+        torch.cuda.synchronize()
 
     # --- one step -------------------------------------------------------------------------
     def _to_device(self, values, dtype) -> torch.Tensor:
@@ -178,32 +249,60 @@ class ModelRunner:
         block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in batch.seqs]
         return dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q,
                     seq_lens=seq_lens, block_tables=block_tables, max_seqlen_q=max(batch.num_new_tokens),
-                    deferred=deferred_rows + deferred_sources)
+                    deferred=deferred_rows + deferred_sources, sample_rows=batch.sample_rows)
 
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> SampledTokens:
         """Queues one forward pass and the sampling of every sequence in `batch.sample_rows`;
         returns their tokens without waiting for them."""
+        if self.closed:
+            raise RuntimeError("the engine is closed")
         step = self.prepare(batch)
+        seqs = [batch.seqs[row] for row in batch.sample_rows]
+        if self.workers:
+            self.workers.send(("run_step", step))
+            try:
+                self.run_step(step, seqs)
+            except BaseException as exc:
+                self.workers.fail_after(exc)
+                raise
+        else:
+            self.run_step(step, seqs)
+        self._last_sample_rows = {seq.request_id: i for i, seq in enumerate(seqs)}
+        return SampledTokens(self._last_tokens, self.workers.wait_event if self.workers else None)
+
+    @torch.inference_mode()
+    def run_step(self, step: dict, seqs=None) -> None:
+        """The forward pass of a prepared step and the tokens of its sample rows (`seqs`, on rank
+        0): sampled on rank 0, broadcast from it to the other ranks."""
         shape = self._graph_shape_for(step) if self.graphs else None
         hidden = self._replay_graph(step, shape) if shape else self._run_eager(step)
-        seqs = [batch.seqs[row] for row in batch.sample_rows]
-        self._last_sampled = SampledTokens(self._sample(hidden, step, batch.sample_rows, seqs) if seqs else None)
-        self._last_sample_rows = {seq.request_id: i for i, seq in enumerate(seqs)}
-        return self._last_sampled
+        sample_rows = step["sample_rows"]
+        if not sample_rows:
+            tokens = None
+        elif self.rank == 0:
+            tokens = self._sample(hidden, step, sample_rows, seqs)
+        else:
+            self._logits(hidden, step, sample_rows)  # this rank's vocabulary rows, gathered on rank 0
+            tokens = torch.empty(len(sample_rows), dtype=torch.long, device=self.device)
+        if tokens is not None and self.tp_size > 1:
+            distributed.broadcast_from_first(tokens)
+        self._last_tokens = tokens
 
-    def _sample(self, hidden: torch.Tensor, step, sample_rows: list[int], seqs) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, step, sample_rows: list[int]) -> torch.Tensor | None:
         last_rows = [step["cu_seqlens_q"][row + 1] - 1 for row in sample_rows]
         if len(last_rows) < hidden.shape[0]:  # a decode step samples every row: no gather needed
             hidden = hidden[self._to_device(last_rows, torch.long)]
-        logits = self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def _sample(self, hidden: torch.Tensor, step, sample_rows: list[int], seqs) -> torch.Tensor:
+        logits = self._logits(hidden, step, sample_rows)
         return self.sampler(logits, *self._sampling_tensors(seqs))
 
     def _fill_deferred(self, input_ids: torch.Tensor, deferred: torch.Tensor) -> None:
         """Writes the last step's samples, still on the device, into the input rows that wait
         for them. `deferred` holds the rows, then the matching sample indices."""
         rows, sources = deferred.view(2, -1)
-        input_ids[rows] = self._last_sampled.tokens[sources]
+        input_ids[rows] = self._last_tokens[sources]
 
     def _run_eager(self, step) -> torch.Tensor:
         set_context(cu_seqlens_q=self._to_device(step["cu_seqlens_q"], torch.int32),
@@ -270,7 +369,7 @@ class ModelRunner:
                 self._graph_forward(shape)
             pool = graph.pool()
             self.graphs[shape] = graph
-        torch.cuda.synchronize()
+        self._synchronize()
         reset_context()
 
     def _cu_seqlens_for(self, shape) -> None:
@@ -325,3 +424,16 @@ class ModelRunner:
                          device_reserved_bytes=torch.cuda.memory_reserved(self.device),
                          device_peak_bytes=torch.cuda.max_memory_allocated(self.device))
         return stats
+
+
+def _shutdown(workers: Workers, graphs: dict) -> None:
+    """Rank 0's end of a tensor-parallel engine."""
+    failed = workers.failure is not None
+    workers.stop()
+    if failed:  # the lost rank's collectives never finish: abort them before anything waits for them
+        distributed.destroy(abort=True)
+        graphs.clear()
+    else:  # NCCL communicators go after the graphs captured with them
+        graphs.clear()
+        distributed.destroy()
+    workers.join()

@@ -1,6 +1,6 @@
 """Runs nanovllm's fused kernels inside an already-built Hugging Face transformers model.
 
-    report = swap_layers(model)   # a Qwen3ForCausalLM, Qwen2ForCausalLM or LlamaForCausalLM
+    report = swap_layers(model)   # a Qwen3, Qwen2, Llama, Mistral or Gemma ...ForCausalLM
     print(report)
     restore_layers(model)         # back to the transformers code
 
@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma import modeling_gemma
 from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -27,7 +29,8 @@ from nanovllm.layers.custom_mlp import resolve_activation
 __all__ = ["SwapReport", "swap_layers", "restore_layers"]
 
 # Class-name prefix -> the transformers module defining that family's layers.
-_FAMILIES = {"Qwen3": modeling_qwen3, "Qwen2": modeling_qwen2, "Llama": modeling_llama}
+_FAMILIES = {"Qwen3": modeling_qwen3, "Qwen2": modeling_qwen2, "Llama": modeling_llama, "Mistral": modeling_mistral,
+             "Gemma": modeling_gemma}
 # Instance attribute marking a swapped module; holds the _Swap that its forward reads.
 _STATE = "_nanovllm_swap"
 
@@ -51,7 +54,8 @@ def swap_layers(model: nn.Module, rms_norm: bool = True, mlp: bool = True, rope:
     plan = []  # (layer class, its new forward, a maker of the per-module state)
     if rms_norm:
         norm_state = _Swap("rms_norm")
-        plan.append((getattr(modeling, f"{prefix}RMSNorm"), _rms_norm_forward, lambda module: norm_state))
+        norm_forward = _unit_offset_rms_norm_forward if prefix == "Gemma" else _rms_norm_forward
+        plan.append((getattr(modeling, f"{prefix}RMSNorm"), norm_forward, lambda module: norm_state))
     if mlp:
         act_and_mul, kernel = _gated_activation(model.config.hidden_act)
         plan.append((getattr(modeling, f"{prefix}MLP"), _mlp_forward,
@@ -89,8 +93,9 @@ def _family(model: nn.Module):
 
 
 def _gated_activation(hidden_act: str):
+    """transformers' gated MLPs apply hidden_act (Gemma's too, whatever hidden_activation says)."""
     fused, _ = resolve_activation(hidden_act)
-    return fused, f"{hidden_act}_and_mul"
+    return fused, "silu_and_mul" if hidden_act == "silu" else "gelu_and_mul"
 
 
 def _install(module: nn.Module, forward, state: "_Swap") -> None:
@@ -125,6 +130,13 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype != self.weight.dtype or _autograd_needed(self, hidden_states):
         return type(self).forward(self, hidden_states)
     return rms_norm_kernel(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _unit_offset_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Gemma's norm scales by 1 + weight (computed in fp32 by transformers, here in the weight's dtype)."""
+    if hidden_states.dtype != self.weight.dtype or _autograd_needed(self, hidden_states):
+        return type(self).forward(self, hidden_states)
+    return rms_norm_kernel(hidden_states, 1 + self.weight, self.eps)
 
 
 class _MergedGateUp(_Swap):
@@ -202,8 +214,9 @@ class _RopeTable(_Swap):
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                        **kwargs):
-    """The transformers attention of Qwen3/Qwen2/Llama with the rotation done by the kernel, on the
-    [batch * seq, heads, head_dim] layout the projections already produce (no transpose copy)."""
+    """The transformers attention of Qwen3/Qwen2/Llama/Mistral/Gemma with the rotation done by the
+    kernel, on the [batch * seq, heads, head_dim] layout the projections already produce (no
+    transpose copy)."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None or _autograd_needed(self, hidden_states):
         return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
@@ -222,7 +235,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     output, weights = attention(
         self, query, key, value, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-        sliding_window=getattr(self, "sliding_window", None), **kwargs)
+        # Qwen3 sets a window per layer, Mistral one in its config for all
+        sliding_window=getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)), **kwargs)
     return self.o_proj(output.reshape(batch, seq, -1).contiguous()), weights
 
 

@@ -187,11 +187,14 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
                                                           slot_mapping, q_weight, k_weight, float(eps))
 
 
-def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True):
+def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
+                    sliding_window: int | None = None):
     """Attention of packed queries q [T, Hq, D] over the paged caches. Sequence i owns query rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] and keys 0..seq_lens[i]-1 (cached + new) through
-    block_tables[i]; with `causal`, query row j of a sequence of Lq rows sees keys
-    < seq_len - Lq + j + 1. A sequence with seq_len 0 gets zeros. Returns [T, Hq, D]."""
+    block_tables[i]; with `causal`, query row j of a sequence of Lq rows (at position
+    p = seq_len - Lq + j) sees keys <= p, and with a `sliding_window` W only keys > p - W.
+    Cache blocks wholly before every query's window are not read. A sequence with seq_len 0
+    gets zeros. Returns [T, Hq, D]."""
     _require_float(q, "q")
     _require(q.dim() == 3, "q", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     _require_cache(k_cache, "k_cache")
@@ -210,9 +213,13 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     _require(int(max_seqlen_q) >= 1, "max_seqlen_q", "must be at least 1")
     # the kernel takes each row's max of unscaled scores, which only a positive scale preserves
     _require(float(scale) > 0, "scale", lambda: f"must be positive, got {scale}")
+    if sliding_window is not None:
+        _require(isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window >= 1,
+                 "sliding_window", lambda: f"must be None or an int >= 1, got {sliding_window!r}")
+        _require(causal, "sliding_window", "needs causal attention")
     return implementation("paged_attention", q.device)(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables,
-        max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal)
+        max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal, sliding_window=sliding_window)
 
 
 def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:

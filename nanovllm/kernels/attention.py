@@ -87,16 +87,21 @@ def _kv_rows(block_table_row, start, offs_n, in_range, stride_btc, stride_kb, st
 
 @triton.jit
 def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_col, block_table_row, start, hi,
-                    row_limit, qk_scale, offs_n, offs_d, d_mask, stride_btc, stride_kb, stride_kt, stride_kd,
-                    stride_vb, stride_vt, stride_vd,
+                    first_key, row_first, row_limit, qk_scale, offs_n, offs_d, d_mask, stride_btc, stride_kb,
+                    stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
-                    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     """One online-softmax step over keys start..start+BLOCK_N. MASKED tiles may reach `hi` (one
-    past the program's last key) or a row's causal limit; others lie wholly below both. With
-    USE_TMA, k_desc/v_desc describe the caches as [slots, kv heads * head dim] and kv_col is
-    this head's first column."""
+    past the program's last key) or a row's causal limit, and with WINDOW the first key of a
+    row's window (row_first); others lie wholly inside every row's range. With USE_TMA,
+    k_desc/v_desc describe the caches as [slots, kv heads * head dim] and kv_col is this head's
+    first column."""
     pos = start + offs_n
     in_range = pos < hi
+    if WINDOW:
+        # Keys below the tile's first visible key may lie in blocks wholly outside the window:
+        # neither their block ids nor their rows are loaded.
+        in_range &= pos >= first_key
     if USE_TMA and not MASKED:
         # The whole tile is keys the sequence wrote, consecutive rows of one cache block: a bulk
         # tensor copy each for K and V, no per-row addresses. (Masked tiles may reach unwritten
@@ -113,7 +118,10 @@ def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv
     # The scale goes into the exponent as one fused multiply-add per score (exp2 and that FMA
     # are the softmax's per-score work); m is kept in scaled units (qk_scale > 0).
     if MASKED:
-        qk = tl.where(pos[None, :] < row_limit[:, None], qk * qk_scale, float("-inf"))
+        visible = pos[None, :] < row_limit[:, None]
+        if WINDOW:
+            visible &= pos[None, :] >= row_first[:, None]
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
     else:
@@ -158,19 +166,22 @@ def _pair_and_tile(PAIRS_PER_GROUP: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, min_partition, num_splits,
+    qk_scale, min_partition, num_splits, window,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
     stride_btr, stride_btc,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, query tile, KV split). Its BLOCK_M rows are (query row,
     query head) pairs of the GQA group of one kv head, row-major, so each K/V tile loaded
     serves the whole group. Without SPLIT it writes the output; with SPLIT, the normalised
-    partial output and its log2-sum-exp for _merge_splits_kernel."""
+    partial output and its log2-sum-exp for _merge_splits_kernel. With WINDOW (causal only), a
+    row sees only the `window` keys ending at its own position; the key loop starts at the
+    tile holding the first row's first visible key, and splits share out only the keys from
+    there."""
     pair, tile = _pair_and_tile(PAIRS_PER_GROUP)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -193,25 +204,38 @@ def _paged_attention_kernel(
     row_mask = offs_m < q_len * GROUP
     token = (q_start + row).to(tl.int64)
 
-    lo = 0
+    first_visible_end = seq_len - q_len + 1  # causal: row r sees keys < first_visible_end + r
+    first_row = tile * BLOCK_M // GROUP
+    last_row = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
+    # The first key any row of the tile sees: below it, whole key tiles are skipped.
+    first_key = 0
+    if WINDOW:
+        first_key = tl.maximum(first_visible_end + first_row - window, 0)
+    lo = first_key // BLOCK_N * BLOCK_N
     hi = seq_len
     if SPLIT:
         # Keys per split from this sequence's own length: the host knows only the block table's
         # width (max_model_len in a decode graph), so a split count fixed there would leave a
         # short sequence on one or two programs. Its splits past the last key exit at once.
-        partition = tl.maximum(min_partition, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N)
-        lo = tl.program_id(2) * partition
+        partition = tl.maximum(min_partition, tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N)
+        lo += tl.program_id(2) * partition
         hi = tl.minimum(hi, lo + partition)
-    # Keys below full_hi are visible to every row of the tile; keys up to hi to some of them.
+    # Keys in [full_lo, full_hi) are visible to every row of the tile; keys in [lo, hi) to some.
     full_hi = hi
     row_limit = tl.zeros([BLOCK_M], tl.int32) + hi
     if CAUSAL:
-        first_visible_end = seq_len - q_len + 1  # row r sees keys < first_visible_end + r
-        last_row = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
-        full_hi = tl.minimum(hi, first_visible_end + tile * BLOCK_M // GROUP)
+        full_hi = tl.minimum(hi, first_visible_end + first_row)
         hi = tl.minimum(hi, first_visible_end + last_row)
         row_limit = tl.minimum(row_limit, first_visible_end + row)
     full_hi = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    full_lo = lo
+    row_first = row_limit  # unread without WINDOW
+    if WINDOW:
+        row_first = first_visible_end + row - window
+        # Rounded up to a key tile; where the tile's rows span more than the window, no key
+        # tile is inside every row's window and the masked loops cover the whole range.
+        last_row_first = tl.maximum(first_visible_end + last_row - window, 0)
+        full_lo = tl.minimum(tl.maximum(tl.cdiv(last_row_first, BLOCK_N) * BLOCK_N, lo), full_hi)
 
     if SPLIT:
         if lo >= hi:
@@ -238,16 +262,22 @@ def _paged_attention_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_btr
     offs_n = tl.arange(0, BLOCK_N)
     kv_col = kv_head * HEAD_DIM
-    for start in tl.range(lo, full_hi, BLOCK_N):
+    for start in tl.range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_col,
-                                        block_table_row, start, hi, row_limit, qk_scale, offs_n, offs_d, d_mask,
-                                        stride_btc, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                                        BLOCK_N, BLOCK_SIZE, False, PAD_D, USE_TMA, DOT_PRECISION)
-    for start in tl.range(full_hi, hi, BLOCK_N):
+                                        block_table_row, start, hi, first_key, row_first, row_limit, qk_scale,
+                                        offs_n, offs_d, d_mask, stride_btc, stride_kb, stride_kt, stride_kd,
+                                        stride_vb, stride_vt, stride_vd,
+                                        BLOCK_N, BLOCK_SIZE, False, PAD_D, USE_TMA, DOT_PRECISION, WINDOW)
+    # The masked tiles on either side: [lo, full_lo), where rows' windows start apart (none
+    # without WINDOW), then [full_hi, hi), where their causal limits or the keys end.
+    low_tiles = (full_lo - lo) // BLOCK_N
+    for i in tl.range(0, low_tiles + tl.cdiv(hi - full_hi, BLOCK_N)):
+        start = tl.where(i < low_tiles, lo + i * BLOCK_N, full_hi + (i - low_tiles) * BLOCK_N)
         acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_col,
-                                        block_table_row, start, hi, row_limit, qk_scale, offs_n, offs_d, d_mask,
-                                        stride_btc, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                                        BLOCK_N, BLOCK_SIZE, True, PAD_D, False, DOT_PRECISION)
+                                        block_table_row, start, hi, first_key, row_first, row_limit, qk_scale,
+                                        offs_n, offs_d, d_mask, stride_btc, stride_kb, stride_kt, stride_kd,
+                                        stride_vb, stride_vt, stride_vd,
+                                        BLOCK_N, BLOCK_SIZE, True, PAD_D, False, DOT_PRECISION, WINDOW)
 
     # A row that saw no key (seq_len 0, or all its keys in other splits) has l = 0: it yields zeros.
     has_keys = l_i > 0.0
@@ -370,7 +400,8 @@ def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
 
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
-                    num_splits: int | None = None, config: TileConfig | None = None):
+                    sliding_window: int | None = None, num_splits: int | None = None,
+                    config: TileConfig | None = None):
     """See nanovllm.kernels.paged_attention. Beyond it: `num_splits` forces the KV split count
     (1: none) and `config` the tiles; both for tests and benchmarks. Output rows that no
     sequence owns (past cu_seqlens_q[-1]) are left unwritten."""
@@ -388,6 +419,8 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} query rows need {q_tiles} tiles, over the grid limit")
     programs = num_seqs * num_kv_heads * q_tiles
     max_kv = block_tables.shape[1] * block_size
+    if sliding_window:  # the keys one query tile reads: its rows' windows
+        max_kv = min(max_kv, sliding_window + max_seqlen_q - 1)
     splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
     if forced_config is None and splits > 1:  # a deeper pipeline, maybe wider key tiles
         config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, True, block_size)
@@ -396,8 +429,9 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     block_d = _padded_head_dim(head_dim)
     launch = functools.partial(
         _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal,
-        (num_seqs * num_kv_heads, q_tiles, splits), min_partition, block_d)
-    shape_class = (q.device, q.dtype, k_cache.dtype, head_dim, group, num_kv_heads, block_size, bool(causal))
+        sliding_window or 0, (num_seqs * num_kv_heads, q_tiles, splits), min_partition, block_d)
+    shape_class = (q.device, q.dtype, k_cache.dtype, head_dim, group, num_kv_heads, block_size, bool(causal),
+                   bool(sliding_window))
     if splits == 1:
         _with_fallback(launch, config, out, out, False, shape_class)
         return out
@@ -454,17 +488,17 @@ def _kv_descriptors(k_cache, v_cache, config: TileConfig, block_d: int):
     return TensorDescriptor(k_cache, shape, strides, tile), TensorDescriptor(v_cache, shape, strides, tile)
 
 
-def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal, grid, min_partition,
-                      block_d, config: TileConfig, out, lse, split: bool) -> None:
+def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal, window: int, grid,
+                      min_partition, block_d, config: TileConfig, out, lse, split: bool) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config, block_d)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_desc, v_desc, out, lse, cu_seqlens_q, seq_lens, block_tables,
-        scale * _LOG2E, min_partition, grid[2],
+        scale * _LOG2E, min_partition, grid[2], window,
         *q.stride(), *(out.stride() if not split else (0, 0, 0)),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=k_cache.shape[1],
         CAUSAL=bool(causal), SPLIT=split, USE_TMA=k_desc is not None, PAIRS_PER_GROUP=PAIRS_PER_GROUP,
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", WINDOW=window > 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.get_device()))

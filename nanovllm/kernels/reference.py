@@ -91,11 +91,12 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.index_select(0, valid).to(cache.dtype))
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, first: int, seq_len: int) -> torch.Tensor:
+    """Keys first..seq_len-1 of a sequence; blocks wholly before `first` are not read."""
     block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks].long())  # [n, block_size, Hk, D]
-    return blocks.flatten(0, 1)[:seq_len]
+    first_block, num_blocks = first // block_size, -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[first_block:num_blocks].long())  # [n, block_size, Hk, D]
+    return blocks.flatten(0, 1)[first - first_block * block_size:seq_len - first_block * block_size]
 
 
 def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -110,11 +111,13 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     return q.copy_(q_rotated)
 
 
-def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True):
+def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
+                    sliding_window=None):
     """Per-sequence gather of the cached K/V, then attention in fp32 (float64 for float64
-    inputs). A sequence whose query sees no key (seq_len 0) gets zeros."""
+    inputs). A sequence whose query sees no key (seq_len 0) gets zeros. With a sliding window
+    (causal only), a query sees the `sliding_window` keys ending at its own position."""
     if q.shape[0] == seq_lens.shape[0] and max_seqlen_q == 1 and _padding_is_cheap(seq_lens, block_tables, k_cache):
-        return _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
+        return _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window)
     out = torch.zeros_like(q)
     dtype = _compute_dtype(q)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
@@ -122,14 +125,19 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         q_start, q_end = starts[i], starts[i + 1]
         if seq_len == 0 or q_end == q_start:
             continue
+        query_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
+        # the first key the first query sees; the window of later queries starts later still
+        first = max(seq_len - (q_end - q_start) - sliding_window + 1, 0) if sliding_window else 0
         # [heads, tokens, head_dim], the layout scaled_dot_product_attention takes
-        k = _gather_kv(k_cache, block_tables[i], seq_len).to(dtype).transpose(0, 1)
-        v = _gather_kv(v_cache, block_tables[i], seq_len).to(dtype).transpose(0, 1)
+        k = _gather_kv(k_cache, block_tables[i], first, seq_len).to(dtype).transpose(0, 1)
+        v = _gather_kv(v_cache, block_tables[i], first, seq_len).to(dtype).transpose(0, 1)
         qs = q[q_start:q_end].to(dtype).transpose(0, 1)
         mask = None
-        if causal and q_end - q_start > 1:
-            query_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        if causal:
+            key_pos = torch.arange(first, seq_len, device=q.device)[None, :]
+            mask = key_pos <= query_pos[:, None]
+            if sliding_window:
+                mask &= key_pos > query_pos[:, None] - sliding_window
         attended = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
     return out
@@ -143,7 +151,7 @@ def _padding_is_cheap(seq_lens, block_tables, k_cache) -> bool:
     return padded_keys <= 4 * int(seq_lens.sum()) + k_cache.shape[1] * seq_lens.shape[0] and gathered_elements <= 1 << 28
 
 
-def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
+def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window=None):
     """Every sequence has exactly one query row (a decode step): one batched attention over
     caches gathered to the widest block table, instead of a Python loop over sequences."""
     dtype = _compute_dtype(q)
@@ -151,7 +159,10 @@ def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
     block_size = k_cache.shape[1]
     blocks = block_tables.clamp_min(0).flatten().long()  # padding entries are masked below
 
-    visible = torch.arange(width * block_size, device=q.device)[None, :] < seq_lens[:, None]
+    key_pos = torch.arange(width * block_size, device=q.device)[None, :]
+    visible = key_pos < seq_lens[:, None]
+    if sliding_window:
+        visible &= key_pos >= seq_lens[:, None] - sliding_window
     # Slots past a sequence's end may hold anything (NaN too): masking scores is not enough.
     # index_fill_ of those rows: a few times cheaper on the CPU than a broadcast masked_fill.
     invisible = (~visible).flatten().nonzero().flatten()

@@ -8,11 +8,14 @@ from nanovllm.utils.context import get_context
 class Attention(nn.Module):
     """Rotates this step's queries and keys (after Qwen3's per-head norms, when given), writes
     keys and values into the paged cache, all in one kernel, then attends over the cache. The
-    cache tensors are attached by the model runner once it has sized them."""
+    cache tensors are attached by the model runner once it has sized them. `sliding_window`
+    (Mistral): a query sees only that many keys, ending at its own; a plain int handed to the
+    kernel on every call, so a captured CUDA graph holds it too."""
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, sliding_window: int | None = None):
         super().__init__()
         self.scale = scale
+        self.sliding_window = sliding_window
         self.k_cache = self.v_cache = torch.tensor([])
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -23,4 +26,5 @@ class Attention(nn.Module):
                                        context.slot_mapping, **norm_weights)
         return kernels.paged_attention(
             q, self.k_cache, self.v_cache, cu_seqlens_q=context.cu_seqlens_q, seq_lens=context.seq_lens,
-            block_tables=context.block_tables, max_seqlen_q=context.max_seqlen_q, scale=self.scale)
+            block_tables=context.block_tables, max_seqlen_q=context.max_seqlen_q, scale=self.scale,
+            sliding_window=self.sliding_window)

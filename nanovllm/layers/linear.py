@@ -1,16 +1,17 @@
 """Linear layers whose parameters carry a `weight_loader`: it copies a checkpoint tensor into
-this rank's part of the parameter (rank 0 of 1 today), and into the right slice of a merged
-projection, so tensor parallelism needs no change to the loader."""
+this rank's part of the parameter, and into the right slice of a merged projection, so tensor
+parallelism needs no change to the loader. Column-parallel layers split the output features
+across ranks, row-parallel ones the input features (their partial sums are all-reduced)."""
 import torch
 from torch import nn
 
-from nanovllm import kernels
+from nanovllm import distributed, kernels
 
 
 def tensor_parallel_rank_and_size() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+    """This process's rank and the number of ranks a model built now is split across (0 and 1
+    outside a tensor-parallel engine)."""
+    return distributed.rank_and_size()
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -59,7 +60,8 @@ class ColumnParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input dimension; the partial sums would be all-reduced across ranks."""
+    """Splits the input dimension; every rank's partial sums are all-reduced. The bias is added
+    once, by rank 0."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, shard_dim=1)
@@ -70,9 +72,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         y = kernels.linear(x, self.weight, bias)
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(y)
-        return y
+        return distributed.all_reduce(y) if self.tp_size > 1 else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

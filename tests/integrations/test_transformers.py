@@ -3,8 +3,9 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from nanovllm import kernels
 from nanovllm.integrations.transformers import restore_layers, swap_layers
@@ -16,7 +17,8 @@ _SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, n
               num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
               initializer_range=0.3)  # well above the default 0.02, so greedy picks are not near-ties
 # Llama uses llama3 rope scaling and Qwen2 yarn (attention_scaling != 1): the cos/sin table must
-# come from the model's own rotary module for these to match.
+# come from the model's own rotary module for these to match. Mistral's window is shorter than a
+# prompt; Gemma has GeGLU and norms scaling by 1 + weight.
 _MODELS = {
     "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**_SHAPE)),
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_SHAPE, rope_parameters=dict(
@@ -24,9 +26,13 @@ _MODELS = {
     "llama": (LlamaForCausalLM, lambda: LlamaConfig(**_SHAPE, mlp_bias=True, rope_parameters=dict(
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64))),
+    "mistral": (MistralForCausalLM, lambda: MistralConfig(**_SHAPE, sliding_window=6)),
+    "gemma": (GemmaForCausalLM, lambda: GemmaConfig(**_SHAPE, hidden_act="gelu_pytorch_tanh")),
 }
 # RMSNorms per forward: input and post-attention per layer (Qwen3 adds q_norm and k_norm) and the final one.
-_NORMS = {"qwen3": 4 * LAYERS + 1, "qwen2": 2 * LAYERS + 1, "llama": 2 * LAYERS + 1}
+_NORMS = {"qwen3": 4 * LAYERS + 1, "qwen2": 2 * LAYERS + 1, "llama": 2 * LAYERS + 1, "mistral": 2 * LAYERS + 1,
+          "gemma": 2 * LAYERS + 1}
+_MLP_KERNEL = {"gemma": "gelu_and_mul"}  # the others: silu_and_mul
 
 
 def build(family: str, seed: int = 0, dtype=torch.float32, device="cpu"):
@@ -72,12 +78,16 @@ def kernel_calls(monkeypatch):
     return calls
 
 
+def mlp_kernel(family):
+    return _MLP_KERNEL.get(family, "silu_and_mul")
+
+
 def expected_modules(model, family):
     names = {}
     for i in range(LAYERS):
         layer = f"model.layers.{i}"
         names |= {f"{layer}.input_layernorm": "rms_norm", f"{layer}.post_attention_layernorm": "rms_norm",
-                  f"{layer}.mlp": "silu_and_mul", f"{layer}.self_attn": "apply_rotary_emb"}
+                  f"{layer}.mlp": mlp_kernel(family), f"{layer}.self_attn": "apply_rotary_emb"}
         if family == "qwen3":
             names |= {f"{layer}.self_attn.q_norm": "rms_norm", f"{layer}.self_attn.k_norm": "rms_norm"}
     return names | {"model.norm": "rms_norm"}
@@ -96,7 +106,7 @@ def check_swapped_model(family, backend, calls):
 
     actual = logits(model, input_ids, attention_mask)
     assert rel_err(actual, expected_logits) < 1e-5
-    assert calls == {"rms_norm": _NORMS[family], "silu_and_mul": LAYERS, "apply_rotary_emb": LAYERS}
+    assert calls == {"rms_norm": _NORMS[family], mlp_kernel(family): LAYERS, "apply_rotary_emb": LAYERS}
 
     # explicit position ids, gapped and strided, must be honoured rather than assumed to count from 0
     position_ids = torch.arange(2 * PROMPT)[::2][None]
@@ -203,13 +213,13 @@ def _dynamic_rope():
     return LlamaForCausalLM(config).eval()
 
 
-def _mistral():
+def _gpt2():
     torch.manual_seed(0)
-    return MistralForCausalLM(MistralConfig(**_SHAPE)).eval()
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256)).eval()
 
 
 @pytest.mark.parametrize("make, message", [
-    (_mistral, "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM; got MistralForCausalLM"),
+    (_gpt2, "LlamaForCausalLM, MistralForCausalLM, GemmaForCausalLM; got GPT2LMHeadModel"),
     (_unsupported_activation, "hidden_act"),
     (_dynamic_rope, "rope=False"),
 ])
@@ -295,7 +305,7 @@ def test_bf16_on_gpu(family, kernel_calls):
     report = swap_layers(model)
     assert report.backend == "triton"
     swapped = logits(model, tokens, mask)[real]
-    assert kernel_calls == {"rms_norm": _NORMS[family], "silu_and_mul": LAYERS, "apply_rotary_emb": LAYERS}
+    assert kernel_calls == {"rms_norm": _NORMS[family], mlp_kernel(family): LAYERS, "apply_rotary_emb": LAYERS}
     assert rel_err(swapped, truth) <= 1.5 * rel_err(original, truth)
 
     def agreement(candidate):

@@ -39,14 +39,16 @@ class Case:
     max_seqlen_q: int
     scale: float
     causal: bool = True
+    sliding_window: int | None = None
 
     def kwargs(self) -> dict:
         return dict(cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens, block_tables=self.block_tables,
-                    max_seqlen_q=self.max_seqlen_q, scale=self.scale, causal=self.causal)
+                    max_seqlen_q=self.max_seqlen_q, scale=self.scale, causal=self.causal,
+                    sliding_window=self.sliding_window)
 
 
 def make_case(shape, heads=(4, 2), head_dim=64, block_size=16, dtype=torch.float32, device="cpu", causal=True,
-              spare_blocks=5, spare_columns=2, first_block=0, num_blocks=None, seed=0) -> Case:
+              spare_blocks=5, spare_columns=2, first_block=0, num_blocks=None, seed=0, sliding_window=None) -> Case:
     """Sequences of (query rows, keys); their blocks a random permutation of the cache from
     `first_block` on. Cache slots no sequence owns stay NaN."""
     gen = torch.Generator().manual_seed(seed)
@@ -77,7 +79,8 @@ def make_case(shape, heads=(4, 2), head_dim=64, block_size=16, dtype=torch.float
     cu_seqlens_q[1:] = query_lens.cumsum(0)
     q = torch.randn(int(cu_seqlens_q[-1]), num_q_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     return Case(q, k_cache, v_cache, cu_seqlens_q.to(device), torch.tensor([k for _, k in shape], dtype=torch.int32,
-                device=device), block_tables.to(device), max(rows for rows, _ in shape), head_dim ** -0.5, causal)
+                device=device), block_tables.to(device), max(rows for rows, _ in shape), head_dim ** -0.5, causal,
+                sliding_window)
 
 
 def expected(case: Case) -> torch.Tensor:
@@ -276,13 +279,92 @@ def test_non_contiguous_q_interpreted(interpreted, nan_empty):
     check(case)
 
 
+# --- sliding window ---------------------------------------------------------------------------
+
+# Decode far past the window, prefill chunks whose query tiles span more or less than the
+# window, a single key, an empty sequence.
+WINDOW_SHAPES = [(1, 1000), (5, 18), (70, 260), (1, 1), (1, 0), (33, 120)]
+
+
+def poison_outside_window(case: Case) -> int:
+    """Cache blocks wholly before the window of every query of their sequence become NaN, and
+    their table entries name an unowned NaN block instead: a kernel that read either would
+    output NaN. Returns how many entries were poisoned."""
+    block_size = case.k_cache.shape[1]
+    lens = case.seq_lens.tolist()
+    owned = {int(b) for i, n in enumerate(lens) for b in case.block_tables[i, :math.ceil(n / block_size)]}
+    unowned = next(b for b in range(case.k_cache.shape[0]) if b not in owned)
+    query_lens = (case.cu_seqlens_q[1:] - case.cu_seqlens_q[:-1]).tolist()
+    poisoned = 0
+    for i, (rows, seq_len) in enumerate(zip(query_lens, lens)):
+        first_key = max(seq_len - rows + 1 - case.sliding_window, 0)
+        for j in range(first_key // block_size):
+            for cache in (case.k_cache, case.v_cache):
+                cache[case.block_tables[i, j]] = float("nan")
+            case.block_tables[i, j] = unowned
+            poisoned += 1
+    return poisoned
+
+
+def check_window(case: Case, **launcher_kwargs) -> None:
+    want = expected(case)
+    assert poison_outside_window(case) > 0, "no block lies outside the window: the case tests nothing"
+    launcher_kwargs = {k: v for k, v in launcher_kwargs.items() if v is not None}
+    if launcher_kwargs:
+        out = attention.paged_attention(case.q, case.k_cache, case.v_cache, **case.kwargs(), **launcher_kwargs)
+    else:
+        out = run_public(case)
+    assert_close(out, want, case.q.dtype)
+
+
+@interpret
+@pytest.mark.parametrize("window", [1, 37, 200])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_sliding_window_interpreted(interpreted, nan_empty, window, num_splits):
+    """A query sees the `window` keys ending at its own position, in decode, prefill and mixed
+    batches, split or not; the blocks before every query's window are never read."""
+    check_window(make_case(WINDOW_SHAPES, (8, 2), 64, 16, sliding_window=window), num_splits=num_splits)
+
+
+@interpret
+@pytest.mark.parametrize("heads,head_dim,block_size,tile", [((8, 2), 64, 16, (16, 32, False)),
+                                                            ((4, 2), 64, 64, (32, 32, True)),
+                                                            ((5, 1), 80, 32, (128, 16, False))])
+def test_sliding_window_tiles_interpreted(interpreted, nan_empty, heads, head_dim, block_size, tile):
+    """Key tiles spanning cache blocks (the window's first tile starts in a block the window
+    does not reach), TMA tiles inside every row's window, padded head dim with odd groups."""
+    block_m, block_n, tma = tile
+    case = make_case(WINDOW_SHAPES, heads, head_dim, block_size, sliding_window=45)
+    check_window(case, num_splits=2, config=attention.TileConfig(block_m, block_n, 4, 1, tma=tma))
+
+
+@interpret
+def test_sliding_window_decode_batch_interpreted(interpreted, nan_empty, monkeypatch):
+    """A decode graph's batch: a padding row of seq_len 0 and a wide block table. The launcher
+    sizes its split from the window, not from the table's width, and the splits share out
+    the window's keys only."""
+    plans, real = [], attention.split_plan
+
+    def spy(programs, max_kv, *args):
+        plans.append((max_kv, real(programs, max_kv, *args)[0]))
+        return real(programs, max_kv, *args)
+
+    monkeypatch.setattr(attention, "split_plan", spy)
+    case = make_case([(1, 700), (1, 0)], (2, 1), 64, 16, spare_columns=30, sliding_window=300)
+    check_window(case)
+    assert plans[-1] == (300, 3)
+
+
 # --- host-side rules (no kernel runs) ---------------------------------------------------------
 
 @pytest.mark.parametrize("field,change", [("scale", {"scale": 0.0}), ("scale", {"scale": -0.1}),
                                           ("max_seqlen_q", {"max_seqlen_q": 0}),
                                           ("k_cache", {"k_cache": torch.zeros(4, 24, 2, 32),
                                                        "v_cache": torch.zeros(4, 24, 2, 32)}),
-                                          ("block_tables", {"block_tables": torch.zeros(1, 3, dtype=torch.int32)})])
+                                          ("block_tables", {"block_tables": torch.zeros(1, 3, dtype=torch.int32)}),
+                                          ("sliding_window", {"sliding_window": 0}),
+                                          ("sliding_window", {"sliding_window": 8.0}),
+                                          ("sliding_window", {"sliding_window": 8, "causal": False})])
 def test_bad_arguments_name_their_field(field, change):
     case = make_case([(2, 9), (1, 30)], (4, 2), 32)
     caches = [change.get(name, getattr(case, name)) for name in ("k_cache", "v_cache")]
@@ -392,8 +474,19 @@ def test_cache_offsets_beyond_int32_gpu(num_splits):
 
 
 @gpu
+@pytest.mark.parametrize("num_splits", [None, 1])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_sliding_window_gpu(nan_empty, num_splits, block_size):
+    """Mistral's 4096-key window over long decodes and prefill chunks, next to short ones."""
+    shape = [(1, 9000), (300, 4500), (1, 17), (1, 0), (700, 700), (1, 33000)]
+    case = make_case(shape, (32, 8), 128, block_size, torch.bfloat16, "cuda", sliding_window=4096)
+    check_window(case, num_splits=num_splits)
+
+
+@gpu
+@pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("batch", [4, 64])
-def test_decode_cuda_graph_gpu(batch):
+def test_decode_cuda_graph_gpu(batch, window):
     """Capture one decode call, then replay it with new seq_lens, block tables and queries."""
     heads, head_dim, block_size, max_blocks = (16, 8), 128, 16, 64
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -404,7 +497,7 @@ def test_decode_cuda_graph_gpu(batch):
     cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     seq_lens = torch.empty(batch, device="cuda", dtype=torch.int32)
     block_tables = torch.empty(batch, max_blocks, device="cuda", dtype=torch.int32)
-    case = Case(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1, head_dim ** -0.5)
+    case = Case(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1, head_dim ** -0.5, sliding_window=window)
 
     def refill():
         lens = torch.randint(1, max_blocks * block_size + 1, (batch,), device="cuda", generator=gen)

@@ -27,17 +27,19 @@ def test_config_layouts_of_transformers_4_and_5_agree():
                                 "dtype": "float16"})
     assert v4 == v5
     assert v4.rope_theta == 5e5 and v4.torch_dtype == torch.float16 and v4.head_dim == 8
-    assert v4.eos_token_id == [3, 4] and v4.qk_norm and not v4.attention_bias
+    assert v4.eos_token_id == [3, 4] and not v4.attention_bias
 
 
 def test_qwen2_has_qkv_bias_and_no_qk_norm():
+    from nanovllm.models import MODEL_REGISTRY
     config = ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"]})
-    assert config.attention_bias and not config.qk_norm
+    options = MODEL_REGISTRY["Qwen2ForCausalLM"].options(config)
+    assert options.qkv_bias and not options.o_bias and not options.qk_norm
 
 
 def test_unknown_architecture_names_the_supported_ones():
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM.*Qwen2ForCausalLM"):
-        ModelConfig.from_dict({**BASE, "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM.*Qwen2ForCausalLM.*LlamaForCausalLM"):
+        ModelConfig.from_dict({**BASE, "architectures": ["GPT2LMHeadModel"]})
 
 
 def test_pickled_weights_are_not_loaded(checkpoint, tmp_path):

@@ -1,0 +1,23 @@
+"""Fixtures for the tensor- and data-parallel tests."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checkpoints import build_checkpoint  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Worker processes take their parent's torch thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="package")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("qwen3"), arch="qwen3", tied=True)

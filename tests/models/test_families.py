@@ -1,0 +1,118 @@
+"""Llama (2, 3.1, 3.2, linear and dynamic rope scaling), Mistral (with and without a sliding
+window) and Gemma in the engine equal transformers in fp32: greedy tokens through chunked
+prefill, prefix sharing and preemption, and logits at every position of a teacher-forced
+sequence prefilled in chunks and decoded over the paged cache."""
+import pytest
+import torch
+
+from checkpoints import FAMILY_CHECKPOINTS, MISTRAL_WINDOW, copy_checkpoint, edit_config
+from nanovllm.utils.context import reset_context, set_context
+
+# Relative to the largest logit: fp32 kernels and transformers sum in different orders.
+LOGIT_TOLERANCE = 1e-5
+# Chunks of the teacher-forced sequence: a prefill, decodes, a chunk over the cache that is
+# longer than Mistral's window, decodes.
+CHUNKS = [37, 1, 1, 45, 1, 1, 14]
+# One engine for all three paths: 32-token steps chunk every prompt but the last, 12 blocks
+# of 16 hold about two thirds of the batch (preemption), two prompts share a 2-block prefix.
+MIXED_ENGINE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, num_kvcache_blocks=12)
+
+
+def mixed_prompts(random_ids):
+    prefix = random_ids(32, seed=1)
+    return [prefix + random_ids(6, seed=2), random_ids(70, seed=3), prefix + random_ids(30, seed=4),
+            random_ids(9, seed=5)]
+
+
+@pytest.mark.parametrize("name", FAMILY_CHECKPOINTS)
+def test_greedy_tokens_match_transformers(name, family_checkpoint, family_reference, new_llm, greedy, random_ids):
+    llm = new_llm(family_checkpoint(name), **MIXED_ENGINE)
+    prompts = mixed_prompts(random_ids)
+    outs = llm.generate(prompts, greedy(16), use_tqdm=False)
+    ref = family_reference(name)
+    assert [o["token_ids"] for o in outs] == [ref(p, 16) for p in prompts]
+    stats = llm.memory_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_blocks"] > 0
+
+
+@torch.inference_mode()
+def engine_logits(llm, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits of every position of `ids`, computed chunk by chunk as the engine's steps do: each
+    chunk's keys and values go to the paged cache (blocks 0, 1, ... of an idle engine), where
+    the later chunks read them."""
+    runner = llm.model_runner
+    blocks = torch.arange(-(-len(ids) // runner.block_size), dtype=torch.int32)[None]
+    logits, start = [], 0
+    for size in chunks:
+        end = start + size
+        set_context(cu_seqlens_q=torch.tensor([0, size], dtype=torch.int32),
+                    seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=blocks,
+                    slot_mapping=torch.arange(start, end), max_seqlen_q=size)
+        try:
+            hidden = runner.model(torch.tensor(ids[start:end]), torch.arange(start, end))
+        finally:
+            reset_context()
+        logits.append(runner.model.compute_logits(hidden))
+        start = end
+    return torch.cat(logits)
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    error = ((actual - expected).abs().max() / expected.abs().max()).item()
+    assert error < LOGIT_TOLERANCE, f"largest logit difference {error:.2e} of the largest logit"
+
+
+@pytest.mark.parametrize("name", FAMILY_CHECKPOINTS)
+def test_teacher_forced_logits_match_transformers(name, family_checkpoint, family_reference, new_llm, random_ids):
+    ids = random_ids(sum(CHUNKS), seed=7)
+    expected = family_reference(name).model(torch.tensor([ids])).logits[0]
+    actual = engine_logits(new_llm(family_checkpoint(name)), ids, CHUNKS)
+    assert_logits_close(actual, expected)
+
+
+def test_mistral_decodes_far_past_the_window_like_generate(family_checkpoint, new_llm, greedy, random_ids,
+                                                           tmp_path):
+    """transformers' generate with eager attention and its sliding-window cache; the same
+    weights without the window decode differently, so the window is what is being matched."""
+    from transformers import AutoModelForCausalLM
+    path = family_checkpoint("mistral_window")
+    prompt, new_tokens = random_ids(MISTRAL_WINDOW + 6, seed=8), 4 * MISTRAL_WINDOW
+    llm = new_llm(path)
+    tokens = llm.generate([prompt], greedy(new_tokens), use_tqdm=False)[0]["token_ids"]
+
+    def generate(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    assert tokens == generate(path)
+    unwindowed = copy_checkpoint(path, tmp_path / "no_window")
+    edit_config(unwindowed, sliding_window=None)
+    assert generate(unwindowed) != tokens
+
+
+def test_gemma_hidden_activation_overrides_hidden_act(family_checkpoint, family_reference, new_llm, random_ids,
+                                                      tmp_path):
+    """The published Gemma configs say hidden_act "gelu" and hidden_activation
+    "gelu_pytorch_tanh", the activation the models were trained with: the engine runs the
+    latter, as the checkpoint built with it does in transformers."""
+    path = copy_checkpoint(family_checkpoint("gemma"), tmp_path / "gemma")
+    edit_config(path, hidden_act="gelu", hidden_activation="gelu_pytorch_tanh")
+    ids = random_ids(sum(CHUNKS), seed=9)
+    expected = family_reference("gemma").model(torch.tensor([ids])).logits[0]
+    assert_logits_close(engine_logits(new_llm(path), ids, CHUNKS), expected)
+
+
+@pytest.mark.triton_interpret
+@pytest.mark.parametrize("name", ["mistral_window", "gemma"])
+def test_triton_kernels_match_transformers(name, family_checkpoint, family_reference, new_llm, greedy, random_ids):
+    """The sliding window and the GeGLU MLP through the Triton kernels (interpreted)."""
+    from nanovllm import kernels
+    assert kernels.backend_for("cpu") == "triton"
+    llm = new_llm(family_checkpoint(name), max_num_batched_tokens=32)
+    prompts = [random_ids(40, seed=10), random_ids(3, seed=11)]
+    outs = llm.generate(prompts, greedy(8), use_tqdm=False)
+    ref = family_reference(name)
+    assert [o["token_ids"] for o in outs] == [ref(p, 8) for p in prompts]

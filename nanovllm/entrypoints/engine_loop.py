@@ -10,6 +10,7 @@ of adds and aborts) ("step", outputs, accepted, rejected, stats), and ("fatal", 
 step raises. Outputs are (request_id, token_id, finish_reason or None) tuples: new requests
 and aborts are applied between steps, and each step's tokens travel in one message."""
 import asyncio
+import atexit
 import itertools
 import multiprocessing
 import pickle
@@ -44,7 +45,7 @@ def engine_main(model: str, engine_args: dict, sock: socket.socket, engine_class
     threading.Thread(target=_receive, args=(sock, inbox), daemon=True, name="engine-inbox").start()
     try:
         if engine_class is None:
-            from nanovllm.engine.llm_engine import LLMEngine as engine_class
+            from nanovllm import LLM as engine_class
         engine = engine_class(model, **engine_args)
         info = {"max_model_len": engine.config.max_model_len, "sampling_defaults": dict(engine.sampling_defaults),
                 "kv_blocks_total": engine.memory_stats()["kv_blocks_total"]}
@@ -58,6 +59,8 @@ def engine_main(model: str, engine_args: dict, sock: socket.socket, engine_class
         traceback.print_exc()
         sock.sendall(_frame(("fatal", _describe(exc))))
         raise SystemExit(1) from None
+    finally:
+        engine.close()  # a tensor-parallel engine's ranks stop with it
 
 
 def _receive(sock: socket.socket, inbox: queue.SimpleQueue) -> None:
@@ -175,10 +178,11 @@ class AsyncEngine:
 
     async def start(self) -> None:
         ours, theirs = socket.socketpair()
+        # Not a daemon: a tensor-parallel engine starts processes of its own.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=engine_main, args=(self.model, self.engine_args, theirs, self.engine_class),
-            name="nanovllm-engine", daemon=True)
+            target=engine_main, args=(self.model, self.engine_args, theirs, self.engine_class), name="nanovllm-engine")
         self.process.start()
+        atexit.register(self._kill)  # runs before multiprocessing's exit hook, which would wait for it
         theirs.close()
         reader, self._writer = await asyncio.open_connection(sock=ours)
         self._reader_task = asyncio.create_task(self._read(reader))
@@ -192,13 +196,18 @@ class AsyncEngine:
         if running:
             self._send(("shutdown",))
         await asyncio.get_running_loop().run_in_executor(None, self.process.join, timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            await asyncio.get_running_loop().run_in_executor(None, self.process.join)
+        self._kill()
+        atexit.unregister(self._kill)
         if self._reader_task is not None:
             self._reader_task.cancel()
         if self._writer is not None:
             self._writer.close()
+
+    def _kill(self) -> None:
+        """Ends the engine process if it still runs (a server that exits without shutdown())."""
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
     def add(self, prompt_ids: list[int], params, event: asyncio.Event) -> RequestState:
         if self.error is not None:

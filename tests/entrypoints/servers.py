@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm import LLM
 
 # Role markers as plain text: the tiny tokenizer has no special tokens for them.
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -76,7 +76,7 @@ class RunningServer:
 
 
 
-class FailingEngine(LLMEngine):
+class FailingEngine(LLM):
     """The first step after a request whose prompt starts with TRIGGER raises, as a device
     error would. Module-level, so the engine process can import it."""
     TRIGGER = 7

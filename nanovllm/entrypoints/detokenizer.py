@@ -20,9 +20,9 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
-        self.token_ids.extend(token_ids)
-        if self.tokenizer is None:
+        if self.tokenizer is None:  # token-id-only model folder: no text
             return ""
+        self.token_ids.extend(token_ids)
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         new_text = self._decode(self.prefix_offset)
         if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT) and not final):

@@ -47,14 +47,15 @@ def engine_main(model: str, engine_args: dict, sock: socket.socket, engine_class
         if engine_class is None:
             from nanovllm import LLM as engine_class
         engine = engine_class(model, **engine_args)
-        info = {"max_model_len": engine.config.max_model_len, "sampling_defaults": dict(engine.sampling_defaults),
-                "kv_blocks_total": engine.memory_stats()["kv_blocks_total"]}
+        info = {"max_model_len": engine.config.max_model_len, "sampling_defaults": dict(engine.sampling_defaults)}
     except Exception as exc:
         sock.sendall(_frame(("failed", _describe(exc))))
         raise SystemExit(1) from None
     sock.sendall(_frame(("ready", info)))
     try:
         EngineLoop(engine, sock).run(inbox)
+    except ConnectionError:  # the server is gone: nobody to tell
+        pass
     except Exception as exc:
         traceback.print_exc()
         sock.sendall(_frame(("fatal", _describe(exc))))

@@ -8,7 +8,7 @@ host's, so the wall clock is the host's time. Medians over `--repeats`, the thre
 interleaved. Also times norm._launch alone (the launch without the public wrapper), and
 checks that both launch paths give bitwise-equal outputs at several row counts, with
 aligned tensors and with every tensor one element off its buffer's start (a different
-specialization). The gumbel_sample reference synchronises (nonzero, tolist).
+specialization). The sample reference synchronises (nonzero, tolist).
 
 From the repository root, on a GPU (about a minute):
 
@@ -76,8 +76,8 @@ def build(rows: int, offset: int, device: str, dtype: torch.dtype) -> dict:
         "apply_rotary_emb": (lambda: kernels.apply_rotary_emb(positions, q, k, cos_sin),
                              lambda: reference.apply_rotary_emb(positions, q, k, cos_sin)),
         "store_kvcache": (stored(kernels.store_kvcache), stored(reference.store_kvcache)),
-        "gumbel_sample": (lambda: (kernels.gumbel_sample(logits, temperatures, seeds),),
-                          lambda: (reference.gumbel_sample(logits, temperatures, seeds),)),
+        "sample": (lambda: kernels.sample(logits, temperatures, seeds)[:1],
+                   lambda: reference.sample(logits, temperatures, seeds)[:1]),
     }
 
 

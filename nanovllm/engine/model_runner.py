@@ -323,11 +323,16 @@ class ModelRunner:
         temperatures = [s.params.temperature for s in seqs]
         temperatures = self._to_device([t if t >= GREEDY_TEMPERATURE else 0.0 for t in temperatures], torch.float32)
         seeds = self._to_device([self._noise_seed(s) for s in seqs], torch.long)
+        min_ps = self._to_device([s.params.min_p for s in seqs], torch.float32) if any(
+            s.params.min_p > 0 for s in seqs) else None
         if not any(s.params.top_k != -1 or s.params.top_p < 1 for s in seqs):
-            return temperatures, seeds
+            return temperatures, seeds, None, None, min_ps
         vocab = self.config.hf_config.vocab_size
-        top_ks = self._to_device([s.params.top_k if s.params.top_k != -1 else vocab for s in seqs], torch.long)
-        return temperatures, seeds, top_ks, self._to_device([s.params.top_p for s in seqs], torch.float32)
+        top_ks = [s.params.top_k if s.params.top_k != -1 else vocab for s in seqs]
+        # how many tokens a row's top-k / top-p may keep: the sampler's sort-free bound
+        max_top_k = max(k for s, k in zip(seqs, top_ks) if s.params.top_k != -1 or s.params.top_p < 1)
+        return (temperatures, seeds, self._to_device(top_ks, torch.long),
+                self._to_device([s.params.top_p for s in seqs], torch.float32), min_ps, max_top_k)
 
     def _noise_seed(self, seq) -> int:
         """The sampling noise key of a sequence's next token: from its seed and position when

@@ -14,7 +14,7 @@ __all__ = [
     "KERNELS_AVAILABLE", "backend_for", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
-    "gumbel_sample", "small_batch_linear", "linear", "GEMV_MAX_ROWS",
+    "sample", "small_batch_linear", "linear", "GEMV_MAX_ROWS",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -222,18 +222,41 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal, sliding_window=sliding_window)
 
 
-def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """One token per row of logits [B, V]: a draw from softmax(logits / T) by the Gumbel-max
-    trick, its noise keyed by seeds[i] (int64, < 2^31) alone, so a row's token does not depend
-    on the batch; argmax(logits) where temperatures[i] == 0. -inf logits are never drawn.
-    Returns int64 [B]."""
+def _require_row_vector(x, logits: torch.Tensor, name: str, kind) -> None:
+    kind(x, name) if kind is _require_float else kind(x, name, 1)
+    _require(x.shape == logits.shape[:1], name, lambda: f"must have one entry per row, got shape {tuple(x.shape)}")
+    _require(x.device == logits.device, name, lambda: f"device {x.device} differs from logits' {logits.device}")
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, top_ks=None, top_ps=None,
+           min_ps=None, *, max_top_k: int | None = None, logprobs: bool = False):
+    """One token per row of logits [B, V], drawn from softmax(logits / T) restricted by the
+    row's filters, without a sort. Tokens rank by logit, ties by lower id. min_ps[i]: keep
+    tokens with p >= min_p * p_max (0: off); top_ks[i]: keep the first k ranks (outside
+    [1, V): off); top_ps[i]: then keep the ranks before which less than top_p of the mass left
+    lies (1: off). The noise is keyed by seeds[i] (int64, < 2^31) and the token id alone, so a
+    row's token does not depend on the batch; argmax(logits) where temperatures[i] == 0.
+    -inf logits are never drawn. Each filter is a [B] tensor or None (no row uses it).
+
+    max_top_k: a bound, known on the host, on how many tokens top-k / top-p may keep in any row:
+    the largest top_k among rows that set top_k or top_p, the vocabulary size for a row with
+    top_p and no top_k (None: unknown). Up to kernels.sampling.SORT_FREE_TOP_K (256) rows are
+    filtered without a sort, above it through one; a row asking for more than the bound keeps
+    max_top_k tokens. Returns (tokens int64 [B], logprobs): with `logprobs`, the float32 [B]
+    log_softmax(logits / T)[token] of the unfiltered distribution (T = 1 for greedy rows), else
+    None."""
     _require_float(logits, "logits")
     _require(logits.dim() == 2, "logits", lambda: f"must be [rows, vocab], got shape {tuple(logits.shape)}")
-    _require_float(temperatures, "temperatures")
-    _require(temperatures.shape == logits.shape[:1], "temperatures", "must have one entry per row")
-    _require_index(seeds, "seeds", 1)
-    _require(seeds.shape == logits.shape[:1], "seeds", "must have one entry per row")
-    return implementation("gumbel_sample", logits.device)(logits, temperatures, seeds)
+    _require_row_vector(temperatures, logits, "temperatures", _require_float)
+    _require_row_vector(seeds, logits, "seeds", _require_index)
+    for name, values, kind in (("top_ks", top_ks, _require_index), ("top_ps", top_ps, _require_float),
+                               ("min_ps", min_ps, _require_float)):
+        if values is not None:
+            _require_row_vector(values, logits, name, kind)
+    _require(max_top_k is None or (isinstance(max_top_k, int) and max_top_k >= 1), "max_top_k",
+             lambda: f"must be a positive int or None, got {max_top_k!r}")
+    return implementation("sample", logits.device)(logits, temperatures, seeds, top_ks, top_ps, min_ps,
+                                                   max_top_k, bool(logprobs))
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

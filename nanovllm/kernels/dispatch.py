@@ -4,7 +4,11 @@ or the PyTorch references in `reference.py`.
 NANOVLLM_KERNEL_BACKEND=auto (default): Triton for CUDA tensors when Triton imports, the
 reference otherwise (said once in a warning). With TRITON_INTERPRET=1, "auto" also sends CPU
 tensors to Triton's interpreter. "triton" never falls back: a call Triton cannot serve raises.
-"torch" always uses the references."""
+"torch" always uses the references.
+
+NANOVLLM_SAMPLER=triton (default) | cuda | torch picks the implementation of `sample` where the
+Triton kernels serve: the Triton kernel, the CUDA C++ one (kernels/cuda; built on first use,
+the Triton one after a warning where it cannot be), or the reference."""
 import functools
 import importlib
 import os
@@ -15,6 +19,7 @@ import torch
 from nanovllm.kernels import reference
 
 _BACKEND_CHOICES = ("auto", "triton", "torch")
+_SAMPLER_CHOICES = ("triton", "cuda", "torch")
 # Which module under nanovllm.kernels holds each op's Triton launcher.
 _TRITON_MODULES = {
     "silu_and_mul": "activation",
@@ -27,7 +32,7 @@ _TRITON_MODULES = {
     "store_kvcache": "kv_cache",
     "qk_norm_rope_store": "qk_norm_rope",
     "paged_attention": "attention",
-    "gumbel_sample": "sampling",
+    "sample": "sampling",
     "small_batch_linear": "gemv",
 }
 
@@ -49,7 +54,15 @@ def _triton_unavailable_reason() -> str | None:
     return None
 
 
+def _requested_sampler() -> str:
+    sampler = os.environ.get("NANOVLLM_SAMPLER", "triton").lower()
+    if sampler not in _SAMPLER_CHOICES:
+        raise ValueError(f"NANOVLLM_SAMPLER must be one of {_SAMPLER_CHOICES}, got {sampler!r}")
+    return sampler
+
+
 REQUESTED_BACKEND = _requested_backend()
+SAMPLER = _requested_sampler()
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 TRITON_UNAVAILABLE_REASON = None if REQUESTED_BACKEND == "torch" else _triton_unavailable_reason()
 KERNELS_AVAILABLE = REQUESTED_BACKEND != "torch" and TRITON_UNAVAILABLE_REASON is None
@@ -88,7 +101,12 @@ def implementation(op: str, device: torch.device):
 
 @functools.cache  # the choice is fixed per process; looking it up must not cost every call
 def _implementation(op: str, device_type: str):
-    if backend_for(device_type) == "torch":
+    if backend_for(device_type) == "torch" or (op == "sample" and SAMPLER == "torch"):
         return getattr(reference, op)
+    if op == "sample" and SAMPLER == "cuda":
+        from nanovllm.kernels.cuda import sampling as cuda_sampling
+        sample = cuda_sampling.sampler()
+        if sample is not None:
+            return sample
     module = importlib.import_module(f"nanovllm.kernels.{_TRITON_MODULES[op]}")
     return getattr(module, op)

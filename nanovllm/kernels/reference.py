@@ -65,23 +65,60 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return rotate(q), rotate(k)
 
 
-def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """argmax(logits / T + Gumbel noise), the noise of row i drawn from a generator seeded with
-    seeds[i]; argmax(logits) where T == 0. Same distribution as the Triton kernel; the random
-    streams differ."""
-    out = logits.argmax(dim=-1)
-    rows = (temperatures > 0).nonzero().flatten()
-    if rows.numel() == 0:
-        return out
+def sampling_mask(logits: torch.Tensor, temperatures: torch.Tensor, top_ks=None, top_ps=None, min_ps=None):
+    """[B, V] bool: the tokens each row may draw. Tokens rank by logit, ties by token id (lower
+    first). min-p keeps tokens with p >= min_p * p_max under softmax(logits / T); top-k keeps the
+    first k ranks (k outside [1, V) keeps all); top-p then keeps the ranks, among those left,
+    before which less than top_p of their renormalised mass lies (top_p >= 1 keeps all).
+    Greedy rows (T = 0) keep everything."""
+    x = logits.to(_compute_dtype(logits))
+    values, order = x.sort(dim=-1, descending=True, stable=True)
+    greedy = temperatures <= 0
+    scale = torch.where(greedy, 1, temperatures).to(x.dtype)[:, None]
+    z = (values - values[:, :1]) / scale  # log(p / p_max)
+    keep = values > float("-inf")
+    if top_ks is not None:
+        k = top_ks[:, None].long()
+        keep &= (torch.arange(x.shape[1], device=x.device)[None, :] < k) | (k < 1) | (k >= x.shape[1])
+    if min_ps is not None:
+        keep &= z >= min_ps.to(x.dtype)[:, None].log()
+    if top_ps is not None:
+        mass = torch.where(keep, z.exp(), 0)
+        before = mass.cumsum(dim=-1) - mass
+        p = top_ps.to(x.dtype)[:, None]
+        keep &= (before < p * mass.sum(dim=-1, keepdim=True)) | (p >= 1)
+    keep |= greedy[:, None]
+    return torch.empty_like(keep).scatter_(1, order, keep)
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, top_ks=None, top_ps=None,
+           min_ps=None, max_top_k=None, logprobs: bool = False):
+    """argmax(logits / T + Gumbel noise) over the tokens sampling_mask keeps, the noise of row i
+    drawn from a generator seeded with seeds[i]; argmax(logits) where T == 0. With `logprobs`,
+    also log_softmax(logits / T)[token] (T = 1 for greedy rows). Same distribution as the
+    kernels; the random streams differ. max_top_k only steers the kernels."""
     dtype = _compute_dtype(logits)
-    uniforms = torch.stack([
-        torch.rand(logits.shape[1], generator=torch.Generator(device=logits.device).manual_seed(seed),
-                   device=logits.device, dtype=dtype) for seed in seeds[rows].tolist()])
-    # -log(-log(u)), in place; u below 1 by half an ulp so that no noise is +inf
-    gumbel = uniforms.clamp_(max=1 - torch.finfo(dtype).eps / 2).log_().neg_().log_().neg_()
-    noisy = logits[rows].to(dtype) / temperatures[rows, None].to(dtype) + gumbel
-    out[rows] = noisy.argmax(dim=-1)
-    return out
+    x = logits.to(dtype)
+    tokens = x.argmax(dim=-1)
+    sampled = temperatures > 0
+    scale = torch.where(sampled, temperatures, 1).to(dtype)[:, None]
+    rows = sampled.nonzero().flatten()
+    if rows.numel():
+        tempered = x[rows] / scale[rows]
+        if top_ks is not None or top_ps is not None or min_ps is not None:
+            pick = (lambda t: None if t is None else t[rows])
+            keep = sampling_mask(x[rows], temperatures[rows], pick(top_ks), pick(top_ps), pick(min_ps))
+            tempered = tempered.masked_fill(~keep, float("-inf"))
+        uniforms = torch.stack([
+            torch.rand(x.shape[1], generator=torch.Generator(device=x.device).manual_seed(seed),
+                       device=x.device, dtype=dtype) for seed in seeds[rows].tolist()])
+        # -log(-log(u)), in place; u below 1 by half an ulp so that no noise is +inf
+        gumbel = uniforms.clamp_(max=1 - torch.finfo(dtype).eps / 2).log_().neg_().log_().neg_()
+        tokens[rows] = (tempered + gumbel).argmax(dim=-1)
+    if not logprobs:
+        return tokens, None
+    chosen = (x / scale).log_softmax(dim=-1).gather(1, tokens[:, None]).view(-1)
+    return tokens, chosen.float()
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:

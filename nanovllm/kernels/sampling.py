@@ -1,78 +1,372 @@
-"""Triton kernel for sampling with the Gumbel-max trick in one pass over the logits: each
-program takes one chunk of one row, adds Gumbel noise from Triton's Philox generator (keyed
-by the row's seed and the token index) to logits / T and keeps the chunk's argmax; a second
-small step picks each row's best chunk. Temperature-0 rows take the plain argmax. The eager
-equivalent makes six passes over a float32 copy. Chunks, not whole rows, per program: a
-single decode sequence would otherwise leave one SM walking 152k tokens (measured 220 us
-for 256 rows of Qwen3's vocabulary with whole rows on an H200)."""
+"""Sort-free sampling: per-row temperature, top-k, top-p, min-p and seeded Gumbel-max draws,
+greedy rows in the same batch, and the chosen token's log-probability.
+
+Three launches, each reading what it needs once:
+- scan (rows x 4,096-token chunks): the one full read of the logits. Per chunk: its max, its
+  sum of exp((x - max) / T) when log-probabilities are asked, its argmax, with Gumbel noise for
+  rows that sample without filters, and for filtering rows the max of every 32-token group.
+- min_p_draw (rows x chunks, launched only with min_ps): rows with min-p and no top-k / top-p
+  draw again over their chunk, among tokens with (x - max) / T >= log(min_p).
+- finalize (one program a row): rows with top-k / top-p pick, by bisection over their group
+  maxima, the k groups holding the top k tokens (ranked by logit, ties by lower token id);
+  those k * 32 tokens are ranked with tl.topk, and top-k, min-p and top-p apply to the ranked
+  list; the draw adds noise to those tokens only. Other rows take their best chunk. With
+  log-probabilities, log_softmax(x / T)[token] from the chunk sums.
+
+The noise of token t of a row depends on (seed, t) alone: Philox 4x32 (7 rounds, the fewest
+that pass BigCrush) at counter t - t % 4n + t % n, output (t % 4n) // n, where the noise block
+n = 1024 (32 to 512 for vocabularies under 4,096, so that small ones stay cheap). A seeded
+row draws the same token in any batch. Gumbel noise in base 2: argmax(x log2(e) / T -
+log2(-log2(u))) is the draw of softmax(x / T), one multiply-add and two fast logs a token.
+Past max_top_k > SORT_FREE_TOP_K the filters come from a sort (reference.sampling_mask)."""
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
+from nanovllm.kernels import reference
+from nanovllm.kernels.dispatch import INTERPRETER
 from nanovllm.kernels._tiling import cdiv, next_power_of_2
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
-_BLOCK = 256  # tokens per Philox output stream and step: 4 * 256 per step
-_CHUNK = 4096  # tokens per program
+INTERPRETER = tl.constexpr(INTERPRETER)
+SORT_FREE_TOP_K = 256  # the largest top-k (and top-p candidate count) filtered without a sort
+NOISE_BLOCK = 1024  # tokens sharing one Philox call's four outputs, NOISE_BLOCK apart; a scan chunk holds four
+GROUP = 32  # tokens a group maximum covers
+PHILOX_ROUNDS = 7
+LOG2E = 1.4426950408889634
 # Largest float32 below 1: u = 1 would make the noise +inf.
-_U_MAX = 0.99999994
+U_MAX = 0.99999994
 
 
 @triton.jit
-def _noisy(row_ptr, cols, vocab, temperature, u, U_MAX: tl.constexpr):
-    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-    if temperature > 0:
-        x = x / temperature - tl.log(-tl.log(tl.minimum(u, U_MAX)))
-    return x
+def _log2(x):
+    """lg2.approx on a GPU (tl.log2 is libdevice's exact log2f, several times the instructions);
+    the interpreter runs no libdevice."""
+    if INTERPRETER:
+        return tl.log2(x)
+    return libdevice.fast_log2f(x)
 
 
 @triton.jit
-def _keep_best(best, best_index, x, cols):
-    better = x > best
-    return tl.where(better, x, best), tl.where(better, cols, best_index)
+def _gumbel2(u, U_MAX: tl.constexpr):
+    """Gumbel noise in base 2 (noise / ln 2 plus a constant): -log2(-log2(u))."""
+    return -_log2(-_log2(tl.minimum(u, U_MAX)))
+
+
+@triton.jit
+def _token_noise(seed, tokens, NOISE_BLOCK: tl.constexpr, ROUNDS: tl.constexpr, U_MAX: tl.constexpr):
+    """The scan's noise for arbitrary token ids: one Philox call a token, its output picked."""
+    span = 4 * NOISE_BLOCK
+    u0, u1, u2, u3 = tl.rand4x(seed, tokens - tokens % span + tokens % NOISE_BLOCK, ROUNDS)
+    part = (tokens % span) // NOISE_BLOCK
+    u = tl.where(part == 0, u0, tl.where(part == 1, u1, tl.where(part == 2, u2, u3)))
+    return _gumbel2(u, U_MAX)
+
+
+@triton.jit
+def _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+                 HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+    """-> (T, k or 0 when off, top_p, min_p): what the row asks, read the same way everywhere."""
+    temperature = tl.load(temperatures_ptr + row).to(tl.float32)
+    top_k = tl.cast(0, tl.int32)
+    top_p = tl.cast(1.0, tl.float32)
+    min_p = tl.cast(0.0, tl.float32)
+    if HAS_TOP_K:
+        top_k = tl.load(top_ks_ptr + row).to(tl.int32)
+        top_k = tl.where((top_k >= 1) & (top_k < vocab), top_k, 0)
+    if HAS_TOP_P:
+        top_p = tl.load(top_ps_ptr + row).to(tl.float32)
+    if HAS_MIN_P:
+        min_p = tl.load(min_ps_ptr + row).to(tl.float32)
+    return temperature, top_k, top_p, min_p
 
 
 @fast_launch
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, best_ptr, index_ptr,
-                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, U_MAX: tl.constexpr, PDL: tl.constexpr):
-    """Each step covers 4 * BLOCK tokens with one Philox call per 4 tokens (tl.rand4x): its four
-    outputs, drawn at counter o, serve the tokens o, o + BLOCK, o + 2 BLOCK, o + 3 BLOCK of the
-    step. One tl.rand per token would spend three quarters of the generator's work."""
+def _scan_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+                 best_ptr, index_ptr, max_ptr, sum_ptr, group_max_ptr, num_groups,
+                 HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                 LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, NOISE_BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                 ROUNDS: tl.constexpr, U_MAX: tl.constexpr, LOG2E: tl.constexpr, PDL: tl.constexpr):
+    """Loads its chunk as four [NOISE_BLOCK / GROUP, GROUP] tiles (one row of a tile is one
+    group); tile i takes output i of the Philox calls at counters base + [0, NOISE_BLOCK)."""
     await_previous_kernel(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
-    temperature = tl.load(temperatures_ptr + row).to(tl.float32)
-    seed = tl.load(seeds_ptr + row)
+    temperature, top_k, top_p, min_p = _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr,
+                                                    min_ps_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+    filters = (top_k > 0) | (top_p < 1) | (min_p > 0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.zeros([BLOCK], tl.int32) + vocab
-    for start in tl.static_range(0, CHUNK, 4 * BLOCK):
-        cols = chunk * CHUNK + start + tl.arange(0, BLOCK)
-        u0, u1, u2, u3 = tl.rand4x(seed, cols)
-        best, best_index = _keep_best(best, best_index, _noisy(row_ptr, cols, vocab, temperature, u0, U_MAX), cols)
-        cols += BLOCK
-        best, best_index = _keep_best(best, best_index, _noisy(row_ptr, cols, vocab, temperature, u1, U_MAX), cols)
-        cols += BLOCK
-        best, best_index = _keep_best(best, best_index, _noisy(row_ptr, cols, vocab, temperature, u2, U_MAX), cols)
-        cols += BLOCK
-        best, best_index = _keep_best(best, best_index, _noisy(row_ptr, cols, vocab, temperature, u3, U_MAX), cols)
-    top = tl.max(best, axis=0)
+    base = chunk * 4 * NOISE_BLOCK
+    within = tl.arange(0, NOISE_BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    cols0, cols1, cols2, cols3 = base + within, base + NOISE_BLOCK + within, base + 2 * NOISE_BLOCK + within, \
+        base + 3 * NOISE_BLOCK + within
+    x0 = tl.load(row_ptr + cols0, mask=cols0 < vocab, other=float("-inf")).to(tl.float32)
+    x1 = tl.load(row_ptr + cols1, mask=cols1 < vocab, other=float("-inf")).to(tl.float32)
+    x2 = tl.load(row_ptr + cols2, mask=cols2 < vocab, other=float("-inf")).to(tl.float32)
+    x3 = tl.load(row_ptr + cols3, mask=cols3 < vocab, other=float("-inf")).to(tl.float32)
+    g0, g1, g2, g3 = tl.max(x0, axis=1), tl.max(x1, axis=1), tl.max(x2, axis=1), tl.max(x3, axis=1)
+    chunk_max = tl.max(tl.maximum(tl.maximum(g0, g1), tl.maximum(g2, g3)), axis=0)
     slot = row * tl.num_programs(1) + chunk
+    tl.store(max_ptr + slot, chunk_max)
+    if GROUPS:
+        groups = chunk * (4 * NOISE_BLOCK // GROUP) + tl.arange(0, NOISE_BLOCK // GROUP)
+        group_row = group_max_ptr + row.to(tl.int64) * num_groups
+        tl.store(group_row + groups, g0, mask=groups < num_groups)
+        tl.store(group_row + groups + NOISE_BLOCK // GROUP, g1, mask=groups + NOISE_BLOCK // GROUP < num_groups)
+        tl.store(group_row + groups + 2 * (NOISE_BLOCK // GROUP), g2,
+                 mask=groups + 2 * (NOISE_BLOCK // GROUP) < num_groups)
+        tl.store(group_row + groups + 3 * (NOISE_BLOCK // GROUP), g3,
+                 mask=groups + 3 * (NOISE_BLOCK // GROUP) < num_groups)
+    if LOGPROBS:
+        # log-probabilities of greedy rows are those of the logits as they are (T = 1)
+        scale = LOG2E / tl.where(temperature > 0, temperature, 1.0)
+        shift = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)
+        total = tl.sum(tl.exp2((x0 - shift) * scale) + tl.exp2((x1 - shift) * scale)
+                       + tl.exp2((x2 - shift) * scale) + tl.exp2((x3 - shift) * scale))
+        tl.store(sum_ptr + slot, total)
+    if (temperature > 0) & (filters == 0):
+        seed = tl.load(seeds_ptr + row)
+        scale = LOG2E / temperature
+        u0, u1, u2, u3 = tl.rand4x(seed, cols0, ROUNDS)
+        x0 = x0 * scale + _gumbel2(u0, U_MAX)
+        x1 = x1 * scale + _gumbel2(u1, U_MAX)
+        x2 = x2 * scale + _gumbel2(u2, U_MAX)
+        x3 = x3 * scale + _gumbel2(u3, U_MAX)
+    best, best_index = _keep_better(x0, cols0, x1, cols1)
+    best, best_index = _keep_better(best, best_index, x2, cols2)
+    best, best_index = _keep_better(best, best_index, x3, cols3)
+    top = tl.max(tl.max(best, axis=1), axis=0)
     tl.store(best_ptr + slot, top)
-    # the first index among ties, as torch.argmax gives
-    tl.store(index_ptr + slot, tl.min(tl.where(best == top, best_index, vocab), axis=0))
+    tl.store(index_ptr + slot, tl.min(tl.min(tl.where(best == top, best_index, vocab), axis=1), axis=0))
 
 
-def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def _keep_better(best, best_index, x, cols):
+    """Strictly better replaces: the first best token wins ties, as torch.argmax's does."""
+    better = x > best
+    return tl.where(better, x, best), tl.where(better, cols, best_index)
+
+
+@triton.jit
+def _min_p_noisy(row_ptr, cols, vocab, row_max, temperature, floor, scale, u, U_MAX: tl.constexpr):
+    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    kept = ((x - row_max) / temperature >= floor) & (x > float("-inf"))
+    return tl.where(kept, x * scale + _gumbel2(u, U_MAX), float("-inf"))
+
+
+@fast_launch
+@triton.jit
+def _min_p_draw_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+                       best_ptr, index_ptr, max_ptr, num_chunks,
+                       HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, CHUNKS: tl.constexpr,
+                       NOISE_BLOCK: tl.constexpr, ROUNDS: tl.constexpr, U_MAX: tl.constexpr,
+                       LOG2E: tl.constexpr, PDL: tl.constexpr):
+    """The scan's draw again for rows whose only filter is min-p, now that their max is known."""
+    await_previous_kernel(PDL)
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    temperature, top_k, top_p, min_p = _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr,
+                                                    min_ps_ptr, HAS_TOP_K, HAS_TOP_P, True)
+    if (temperature > 0) & (min_p > 0) & (top_k == 0) & (top_p >= 1):
+        chunks = tl.arange(0, CHUNKS)
+        row_max = tl.max(tl.load(max_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
+                                 other=float("-inf")), axis=0)
+        floor = tl.log(min_p)
+        seed = tl.load(seeds_ptr + row)
+        scale = LOG2E / temperature
+        row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+        cols = chunk * 4 * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)
+        u0, u1, u2, u3 = tl.rand4x(seed, cols, ROUNDS)
+        x = _min_p_noisy(row_ptr, cols, vocab, row_max, temperature, floor, scale, u0, U_MAX)
+        best, best_index = _keep_better(x, cols, _min_p_noisy(row_ptr, cols + NOISE_BLOCK, vocab, row_max, temperature,
+                                                              floor, scale, u1, U_MAX), cols + NOISE_BLOCK)
+        best, best_index = _keep_better(best, best_index, _min_p_noisy(row_ptr, cols + 2 * NOISE_BLOCK, vocab, row_max,
+                                                                       temperature, floor, scale, u2, U_MAX),
+                                        cols + 2 * NOISE_BLOCK)
+        best, best_index = _keep_better(best, best_index, _min_p_noisy(row_ptr, cols + 3 * NOISE_BLOCK, vocab, row_max,
+                                                                       temperature, floor, scale, u3, U_MAX),
+                                        cols + 3 * NOISE_BLOCK)
+        top = tl.max(best, axis=0)
+        slot = row * num_chunks + chunk
+        tl.store(best_ptr + slot, top)
+        tl.store(index_ptr + slot, tl.min(tl.where(best == top, best_index, vocab), axis=0))
+
+
+@triton.jit
+def _orderable(x):
+    """float32 -> uint32 whose unsigned order is the floats' order."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _unorder(key):
+    bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _top_groups(group_row, num_groups, gid_row, k, GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """Writes to gid_row the ids, in increasing order, of the min(k, groups) groups first by
+    (group max descending, id ascending): they hold the row's top k tokens, since groups are
+    runs of consecutive ids. Bisection over the maxima's int32 keys finds the k-th largest."""
+    gids = tl.arange(0, GROUPS_PAD)
+    values = tl.load(group_row + gids, mask=gids < num_groups, other=float("-inf"))
+    keys = (_orderable(values) ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(gids < num_groups, keys, -(1 << 31) - 1)  # padding ranks below -inf
+    lo = tl.min(keys, axis=0)
+    hi = tl.max(keys, axis=0)
+    for _ in range(33):  # the largest key with at least k maxima at or above it
+        mid = (lo + hi + 1) >> 1
+        enough = tl.sum((keys >= mid).to(tl.int32), axis=0) >= k
+        lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid - 1)
+    above = keys > lo
+    tied = (keys == lo).to(tl.int32)
+    chosen = above | ((tied != 0) & (tl.cumsum(tied, axis=0) <= k - tl.sum(above.to(tl.int32), axis=0)))
+    slots = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(gid_row + slots, gids, mask=chosen & (slots < K_PAD))
+    return tl.minimum(tl.sum(chosen.to(tl.int32), axis=0), K_PAD)
+
+
+@fast_launch
+@triton.jit
+def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+                     best_ptr, index_ptr, max_ptr, sum_ptr, num_chunks, group_max_ptr, num_groups, gid_ptr,
+                     tokens_ptr, logprobs_ptr,
+                     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                     LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, CHUNKS: tl.constexpr,
+                     GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr, GROUP: tl.constexpr, NOISE_BLOCK: tl.constexpr,
+                     ROUNDS: tl.constexpr, U_MAX: tl.constexpr, LOG2E: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
+    row = tl.program_id(0)
+    temperature, top_k, top_p, min_p = _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr,
+                                                    min_ps_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    chunks = tl.arange(0, CHUNKS)
+    # the first best chunk: its index is that chunk's first best token
+    best = tl.load(best_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=float("-inf"))
+    first = tl.min(tl.where(best == tl.max(best, axis=0), chunks, CHUNKS), axis=0)
+    token = tl.load(index_ptr + row * num_chunks + first)
+    if GROUPS:
+        if (temperature > 0) & ((top_k > 0) | (top_p < 1)):
+            k = tl.where(top_k > 0, tl.minimum(top_k, K_PAD), K_PAD)
+            gid_row = gid_ptr + row * K_PAD
+            chosen = _top_groups(group_max_ptr + row.to(tl.int64) * num_groups, num_groups, gid_row, k,
+                                 GROUPS_PAD, K_PAD)
+            tl.debug_barrier()  # the group ids written above, read back by other threads
+            slots = tl.arange(0, K_PAD)
+            gids = tl.load(gid_row + slots, mask=slots < chosen, other=0)
+            ids = gids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            valid = (slots < chosen)[:, None] & (ids < vocab)
+            x = tl.load(row_ptr + ids, mask=valid, other=float("-inf")).to(tl.float32)
+            # rank by (logit desc, id asc): one uint64 key, the id's complement below the logit's
+            ranked = tl.topk(tl.reshape((_orderable(x).to(tl.uint64) << 32) | (ids.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64),
+                                        [K_PAD * GROUP]), K_PAD)
+            x = _unorder((ranked >> 32).to(tl.uint32))
+            ids = ((ranked & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
+            z = (x - tl.max(x, axis=0)) / temperature  # log(p / p_max)
+            keep = (slots < k) & (x > float("-inf"))
+            if HAS_MIN_P:
+                keep &= z >= tl.log(min_p)
+            if HAS_TOP_P:
+                mass = tl.where(keep, tl.exp(z), 0.0)
+                before = tl.cumsum(mass, axis=0) - mass
+                keep &= before < tl.where(top_p < 1, top_p * tl.sum(mass, axis=0), float("inf"))
+            seed = tl.load(seeds_ptr + row)
+            noisy = tl.where(keep, x * (LOG2E / temperature) + _token_noise(seed, ids, NOISE_BLOCK, ROUNDS, U_MAX),
+                             float("-inf"))
+            pick = tl.min(tl.where(noisy == tl.max(noisy, axis=0), slots, K_PAD), axis=0)
+            token = tl.sum(tl.where(slots == pick, ids, 0), axis=0)
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    if LOGPROBS:
+        t = tl.where(temperature > 0, temperature, 1.0)
+        maxima = tl.load(max_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=float("-inf"))
+        row_max = tl.max(maxima, axis=0)
+        sums = tl.load(sum_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=0.0)
+        weights = tl.where(maxima > float("-inf"), tl.exp2((maxima - row_max) * (LOG2E / t)), 0.0)
+        chosen_logit = tl.load(row_ptr + token).to(tl.float32)
+        tl.store(logprobs_ptr + row, (chosen_logit - row_max) / t - tl.log(tl.sum(sums * weights, axis=0)))
+
+
+class SampleLaunches:
+    """The three launches on one row-major [rows, vocab] logits tensor; the CUDA C++ sampler
+    fills the same buffers (kernels/cuda/sampling.py)."""
+
+    def scan(self, logits, temperatures, seeds, filters, buffers, logprobs: bool, groups: bool):
+        rows, vocab = logits.shape
+        _scan_kernel[(rows, buffers["chunks"])](
+            logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
+            buffers["max"], buffers["sum"], buffers["group_max"], buffers["groups"],
+            **_has(filters), LOGPROBS=logprobs, GROUPS=groups, NOISE_BLOCK=noise_block(vocab), GROUP=GROUP,
+            ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8, **dependent_launch(logits.get_device()))
+
+    def min_p_draw(self, logits, temperatures, seeds, filters, buffers):
+        rows, vocab = logits.shape
+        has = _has(filters)
+        _min_p_draw_kernel[(rows, buffers["chunks"])](
+            logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
+            buffers["max"], buffers["chunks"], HAS_TOP_K=has["HAS_TOP_K"], HAS_TOP_P=has["HAS_TOP_P"],
+            CHUNKS=next_power_of_2(buffers["chunks"]), NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS,
+            U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8, **dependent_launch(logits.get_device()))
+
+    def finalize(self, logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad: int):
+        """logprobs: a float32 [rows] output, or None."""
+        rows, vocab = logits.shape
+        groups = k_pad > 0
+        _finalize_kernel[(rows,)](
+            logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
+            buffers["max"], buffers["sum"], buffers["chunks"], buffers["group_max"], buffers["groups"],
+            buffers["gids"], tokens, logprobs, **_has(filters), LOGPROBS=logprobs is not None, GROUPS=groups,
+            CHUNKS=next_power_of_2(buffers["chunks"]), GROUPS_PAD=next_power_of_2(buffers["groups"]),
+            K_PAD=max(k_pad, 1), GROUP=GROUP, NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX,
+            LOG2E=LOG2E, num_warps=8 if groups else 4, **dependent_launch(logits.get_device()))
+
+
+def noise_block(vocab: int) -> int:
+    return min(NOISE_BLOCK, max(GROUP, next_power_of_2(cdiv(vocab, 4))))
+
+
+def _has(filters) -> dict:
+    top_ks, top_ps, min_ps = filters
+    return dict(HAS_TOP_K=top_ks is not None, HAS_TOP_P=top_ps is not None, HAS_MIN_P=min_ps is not None)
+
+
+def sample(logits, temperatures, seeds, top_ks=None, top_ps=None, min_ps=None, max_top_k=None, logprobs=False,
+           launches: SampleLaunches = SampleLaunches()):
+    """See kernels.sample."""
+    filtering = top_ks is not None or top_ps is not None
+    bound = logits.shape[1] if max_top_k is None else max_top_k
+    if filtering and bound > SORT_FREE_TOP_K:
+        return _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches)
     rows = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = rows.shape
-    chunk = min(_CHUNK, max(4 * 16, next_power_of_2(vocab)))
-    chunks = cdiv(vocab, chunk)
-    best = torch.empty(num_rows, chunks, dtype=torch.float32, device=rows.device)
-    # int64 so that the token ids come out without a conversion (an eager op, microseconds of host time)
-    index = torch.empty(num_rows, chunks, dtype=torch.int64, device=rows.device)
-    _gumbel_argmax_kernel[(num_rows, chunks)](rows, rows.stride(0), vocab, temperatures, seeds, best, index,
-                                              CHUNK=chunk, BLOCK=min(_BLOCK, chunk // 4), U_MAX=_U_MAX, num_warps=4,
-                                              **dependent_launch(rows.get_device()))
-    # argmax picks the first best chunk, whose index is that chunk's first best token
-    return index.gather(1, best.argmax(dim=1, keepdim=True)).view(-1)
+    k_pad = next_power_of_2(max(bound, 2)) if filtering else 0  # tl.topk needs k >= 2
+    buffers = _buffers(num_rows, vocab, k_pad, rows.device)
+    filters = (top_ks, top_ps, min_ps)
+    launches.scan(rows, temperatures, seeds, filters, buffers, logprobs, groups=filtering)
+    if min_ps is not None:
+        launches.min_p_draw(rows, temperatures, seeds, filters, buffers)
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=rows.device)
+    chosen = torch.empty(num_rows, dtype=torch.float32, device=rows.device) if logprobs else None
+    launches.finalize(rows, temperatures, seeds, filters, buffers, tokens, chosen, k_pad)
+    return tokens, chosen
+
+
+def _buffers(num_rows: int, vocab: int, k_pad: int, device) -> dict:
+    chunks = cdiv(vocab, 4 * noise_block(vocab))
+    groups = cdiv(vocab, GROUP) if k_pad else 1
+    empty = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device=device)  # noqa: E731
+    return dict(chunks=chunks, groups=groups, best=empty(num_rows, chunks), index=empty(num_rows, chunks, dtype=torch.int32),
+                max=empty(num_rows, chunks), sum=empty(num_rows, chunks), group_max=empty(num_rows, groups),
+                gids=empty(num_rows, max(k_pad, 1), dtype=torch.int32))
+
+
+def _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches):
+    """Rows may keep more tokens than the sort-free path holds: filter through a sort, then draw
+    without filters (greedy rows keep every token, so they still take the argmax)."""
+    keep = reference.sampling_mask(logits, temperatures, top_ks, top_ps, min_ps)
+    tokens, _ = sample(logits.float().masked_fill(~keep, float("-inf")), temperatures, seeds, launches=launches)
+    if not logprobs:
+        return tokens, None
+    scale = torch.where(temperatures > 0, temperatures, 1).float()[:, None]
+    return tokens, (logits.float() / scale).log_softmax(dim=-1).gather(1, tokens[:, None]).view(-1)

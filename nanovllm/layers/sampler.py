@@ -1,34 +1,28 @@
-"""Next-token sampling on the logits' device: greedy for temperature 0, otherwise top-k, top-p
-and a draw from softmax(logits / T) by the Gumbel-max trick (kernels.gumbel_sample: one pass
-over the logits, no softmax). The noise of a row is keyed by a seed the engine derives from
-the request's own seed and position, so a seeded request's tokens do not depend on its batch."""
+"""Next-token sampling on the logits' device: kernels.sample draws every row in one sort-free
+pass (greedy rows, temperature, min-p, top-k, top-p, seeded Gumbel-max noise) and returns the
+chosen token's log-probability on request. The noise of a row is keyed by a seed the engine
+derives from the request's own seed and position, so a seeded request's tokens do not depend
+on its batch."""
 import torch
 from torch import nn
 
 from nanovllm import kernels
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Masks to -inf every logit outside each row's top-k, then outside the smallest set of
-    the remaining tokens whose probability reaches top-p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    outside = ranks[None, :] >= top_ks[:, None]
-    probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # top_p = 1 keeps everything: fp32 cumulative sums can reach 1.0 before the tail
-    outside |= (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1)
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
+def top_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (log-probabilities [B, n], token ids [B, n]): each row's n most likely tokens under
+    log_softmax(logits / T) (T = 1 for greedy rows), as kernels.sample's logprobs. Callers pass
+    only the rows that ask, so the others cost nothing."""
+    scale = torch.where(temperatures > 0, temperatures, 1).float()[:, None]
+    return (logits.float() / scale).log_softmax(dim=-1).topk(n, dim=-1)
 
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-                top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None) -> torch.Tensor:
-        """logits [B, V]; temperatures [B] fp32; seeds [B] int64; top_ks/top_ps [B] or None when
-        no row filters. Returns token ids [B]."""
-        if top_ks is not None:
-            # Filter the tempered distribution; the kernel then draws from what is left at T = 1.
-            tempered = logits.float() / temperatures.clamp_min(1e-6)[:, None]
-            logits = apply_top_k_top_p(tempered, top_ks, top_ps)
-            temperatures = (temperatures > 0).float()
-        return kernels.gumbel_sample(logits, temperatures, seeds)
+                top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None,
+                min_ps: torch.Tensor | None = None, max_top_k: int | None = None) -> torch.Tensor:
+        """logits [B, V]; temperatures [B] fp32; seeds [B] int64; top_ks / top_ps / min_ps [B] or
+        None when no row uses that filter; max_top_k as kernels.sample takes it. Returns token
+        ids [B]."""
+        tokens, _ = kernels.sample(logits, temperatures, seeds, top_ks, top_ps, min_ps, max_top_k=max_top_k)
+        return tokens

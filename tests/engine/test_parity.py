@@ -129,7 +129,7 @@ def test_prefix_cache_disabled(checkpoint, reference, new_llm, greedy, random_id
     assert llm.memory_stats()["prefix_cache_hit_blocks"] == 0
 
 
-@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6)], ids=["top_k=1", "top_p~0"])
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)], ids=["top_k=1", "top_p~0", "min_p=1"])
 def test_sampling_that_keeps_one_token_is_greedy(params, checkpoint, reference, new_llm):
     from nanovllm import SamplingParams
 

@@ -60,7 +60,8 @@ def test_the_package_kernels_get_the_launcher_outside_the_interpreter():
     from nanovllm.kernels import activation, kv_cache, norm, rotary, sampling
     assert all(isinstance(kernel, launch.FastLauncher) for kernel in (
         activation._act_and_mul_kernel, activation._add_gelu_kernel, activation._mul_add_kernel,
-        norm._rms_norm_kernel, rotary._rotary_kernel, kv_cache._store_kvcache_kernel, sampling._gumbel_argmax_kernel))
+        norm._rms_norm_kernel, rotary._rotary_kernel, kv_cache._store_kvcache_kernel, sampling._scan_kernel,
+        sampling._min_p_draw_kernel, sampling._finalize_kernel))
     interpreted = object()
     assert launch.fast_launch(interpreted) is interpreted
 
@@ -158,8 +159,8 @@ def _gpu_cases(offset: int) -> dict:
         "fused_add_rms_norm": lambda: kernels.fused_add_rms_norm(randn(3, 1024), randn(3, 1024), randn(1024), 1e-6),
         "apply_rotary_emb": rotary,
         "store_kvcache": kv_store,
-        "gumbel_sample": lambda: (kernels.gumbel_sample(randn(3, 5000), torch.tensor([0.0, 0.7, 1.0], device="cuda"),
-                                                        torch.arange(3, device="cuda")),),
+        "sample": lambda: kernels.sample(randn(3, 5000), torch.tensor([0.0, 0.7, 1.0], device="cuda"),
+                                         torch.arange(3, device="cuda"))[:1],
     }
     return {name: seeded(case) for name, case in cases.items()}
 

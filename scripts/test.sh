@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment from scratch and runs every CPU test: the PyTorch paths,
-# then the Triton kernels through Triton's interpreter.
+# Sets up a virtual environment from scratch and runs every CPU test: the PyTorch paths (the
+# HTTP server's too), then the Triton kernels through Triton's interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -9,6 +9,6 @@ python3 -m venv .venv
 # numpy<2.4: Triton 3.6's interpreter fails on runtime loop bounds with NumPy 2.4
 # (triton-lang/triton#9171, fixed after 3.6).
 pip install -q torch==2.13.0 triton==3.6.0 transformers==5.17.0 "numpy<2.4"
-pip install -q -e '.[test]'
+pip install -q -e '.[test,serve,plot]'
 python -m pytest -q -m "not triton_interpret"
 TRITON_INTERPRET=1 python -m pytest -q -m triton_interpret

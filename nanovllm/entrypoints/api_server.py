@@ -1,0 +1,564 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine (engine_loop.py).
+
+Handlers never run the model: they turn a request into engine requests (one per prompt and
+choice), wait on an asyncio.Event that the engine's reader task sets as tokens arrive, and turn
+the tokens into text (detokenizer.py). A client that goes away aborts its engine requests."""
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+from importlib import metadata
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanovllm.entrypoints.detokenizer import TextStream
+from nanovllm.entrypoints.engine_loop import AsyncEngine, EngineDeadError, RequestState
+from nanovllm.entrypoints.metrics import ServerMetrics
+from nanovllm.entrypoints.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                           ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
+                                           CompletionChoice, CompletionRequest, CompletionResponse, Delta,
+                                           DetokenizeRequest, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+                                           SamplingRequest, TokenizeRequest, Usage, new_id)
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
+# A completion request without max_tokens gets OpenAI's default; a chat request gets the room
+# left in max_model_len.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_N = 128  # choices a request may ask for
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=STATUS_TYPES.get(self.status, "server_error"),
+                                             param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def bad_request(exc: ValueError, param: str | None = None) -> APIError:
+    """A 400 for a ValueError whose message starts with the field it is about ("top_p: ...")."""
+    message = str(exc)
+    field = message.split(":", 1)[0] if ":" in message else None
+    return APIError(400, message, param=param or (field if field and field.isidentifier() else None))
+
+
+def sse(payload) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+class Choice:
+    """One choice of a response: its engine request and its text so far."""
+
+    def __init__(self, index: int, state: RequestState, text: TextStream):
+        self.index, self.state, self.text = index, state, text
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+
+    def advance(self) -> tuple[str, list[int]]:
+        """Takes the tokens that arrived: the text delta and the new token ids. Sets
+        finish_reason once the output is complete (engine finish or stop string)."""
+        state = self.state
+        token_ids = state.take()
+        if state.error is not None:
+            raise state.error
+        self.token_ids += token_ids
+        engine_reason = state.finish_reason
+        delta, stopped = self.text.add(token_ids, final=engine_reason is not None, stop_token=engine_reason == "stop")
+        if stopped or engine_reason is not None:
+            self.finish_reason = "stop" if stopped else engine_reason
+        return delta, token_ids
+
+
+class OpenAIServer:
+    def __init__(self, model: str, engine_args: dict, served_model_name: str | None = None,
+                 api_key: str | None = None, max_queue: int | None = None, engine_class=None):
+        self.model_dir = model
+        self.model_name = served_model_name or model
+        self.api_key, self.max_queue = api_key, max_queue
+        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
+        self.engine = AsyncEngine(model, engine_args, self.metrics, engine_class)
+        self.tokenizer = None
+        self.tokenizer_loaded = False
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.engine.start()
+        self._tokenizer_task = asyncio.create_task(self._load_tokenizer())
+
+    async def _load_tokenizer(self) -> None:
+        from nanovllm.engine.llm_engine import load_tokenizer
+        try:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+        except Exception as exc:
+            self.engine.fail(f"the tokenizer failed to load: {type(exc).__name__}: {exc}")
+            return
+        self.tokenizer_loaded = True
+
+    async def shutdown(self) -> None:
+        self._tokenizer_task.cancel()
+        await self.engine.shutdown()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready and self.tokenizer_loaded
+
+    def check_ready(self) -> None:
+        if self.engine.error is not None:
+            raise APIError(503, f"the engine is not running: {self.engine.error}", code="engine_unavailable")
+        if not self.ready:
+            raise APIError(503, "the model is still loading", code="engine_unavailable", headers={"Retry-After": "1"})
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # --- prompts ----------------------------------------------------------------------------
+    def _encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, f"{param}: this model has no tokenizer; send token ids", param=param)
+        return self.tokenizer.encode(text)
+
+    def completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self._encode(prompt, "prompt")]
+        if not prompt:
+            raise APIError(400, "prompt: is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return [self._encode(p, "prompt") if isinstance(p, str) else p for p in prompt]
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        if not messages:
+            raise APIError(400, "messages: must hold at least one message", param="messages")
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions",
+                           param="messages")
+        conversation = []
+        for i, message in enumerate(messages):
+            content = message.content
+            if isinstance(content, list):
+                if any(part.type != "text" or part.text is None for part in content):
+                    raise APIError(400, f"messages.{i}.content: only text parts are supported", param="messages")
+                content = "".join(part.text for part in content)
+            conversation.append({"role": message.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template rejects the conversation (jinja raise_exception)
+            raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # --- generation -------------------------------------------------------------------------
+    def sampling_params(self, request: SamplingRequest, prompt_len: int, seed_offset: int, chat: bool,
+                        prompt_param: str) -> SamplingParams:
+        """The engine's parameters for one choice. max_tokens is clamped to the room the prompt
+        leaves in max_model_len; a prompt that leaves none is rejected."""
+        max_model_len = self.engine.info["max_model_len"]
+        room = max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"{prompt_param}: {prompt_len} tokens leave no room for output in "
+                                f"max_model_len={max_model_len}", param=prompt_param, code="context_length_exceeded")
+        source, max_tokens = request.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = room if chat else DEFAULT_COMPLETION_MAX_TOKENS
+        defaults = self.engine.info["sampling_defaults"]
+        sampling = {name: getattr(request, name) if getattr(request, name) is not None else defaults.get(name)
+                    for name in SAMPLING_DEFAULT_FIELDS}
+        try:
+            return SamplingParams(max_tokens=min(max_tokens, room), ignore_eos=request.ignore_eos,
+                                  stop_token_ids=request.stop_token_ids,
+                                  seed=None if request.seed is None else request.seed + seed_offset,
+                                  **{k: v for k, v in sampling.items() if v is not None})
+        except ValueError as exc:
+            error = bad_request(exc)
+            if error.param == "max_tokens":  # the request may have named it max_completion_tokens
+                error.param, error.message = source, error.message.replace("max_tokens", source, 1)
+            raise error from None
+
+    def check_request(self, request: SamplingRequest) -> list[str]:
+        """Checks what the engine does not; returns the stop strings."""
+        if (field := request.unsupported()) is not None:
+            raise APIError(400, f"{field}: is not supported by this server", param=field)
+        if not 1 <= request.n <= MAX_N:
+            raise APIError(400, f"n: must be in [1, {MAX_N}], got {request.n}", param="n")
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options: is only allowed with stream=true", param="stream_options")
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop: stop strings must not be empty", param="stop")
+        if stop and self.tokenizer is None:
+            raise APIError(400, "stop: this model has no tokenizer to match stop strings with", param="stop")
+        if self.max_queue is not None and self.engine.num_waiting >= self.max_queue:
+            raise APIError(429, f"{self.engine.num_waiting} requests are already waiting (--max-queue "
+                                f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
+        return stop
+
+    async def start_choices(self, request: SamplingRequest, prompts: list[list[int]], chat: bool,
+                            raw: Request) -> tuple[list[Choice], asyncio.Event]:
+        """Queues one engine request per prompt and choice and waits until the engine accepted
+        them all; on any error (or a client gone meanwhile) none is left running."""
+        stop = self.check_request(request)
+        prompt_param = "messages" if chat else "prompt"
+        params = [[self.sampling_params(request, len(p), i, chat, prompt_param) for i in range(request.n)]
+                  for p in prompts]
+        event = asyncio.Event()
+        choices = []
+        for prompt, prompt_params in zip(prompts, params):
+            for sp in prompt_params:
+                state = self.engine.add(prompt, sp, event)
+                choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop)))
+        try:
+            await until_disconnected(raw, self._accepted(choices, event, prompt_param))
+        except ClientDisconnected:
+            self.finish(choices)
+            raise
+        except BaseException:
+            self.engine.abort([c.state for c in choices])
+            raise
+        self.metrics.prompt_tokens(sum(map(len, prompts)) * request.n)
+        return choices, event
+
+    @staticmethod
+    async def _accepted(choices: list[Choice], event: asyncio.Event, prompt_param: str) -> None:
+        while not all(c.state.accepted for c in choices):
+            for c in choices:
+                if isinstance(c.state.error, ValueError):
+                    raise bad_request(c.state.error, prompt_param if str(c.state.error).startswith("prompt") else None)
+                if c.state.error is not None:
+                    raise engine_error(c.state.error)
+            await event.wait()
+            event.clear()
+        event.set()  # tokens may have come with the acceptance
+
+    def finish(self, choices: list[Choice]) -> None:
+        """Aborts what is still running and counts each choice's end."""
+        self.engine.abort([c.state for c in choices])
+        now = time.perf_counter()
+        for c in choices:
+            reason = c.finish_reason or ("error" if c.state.error is not None else "abort")
+            self.metrics.finished(reason, now - c.state.arrival)
+
+    async def generate(self, choices: list[Choice], event: asyncio.Event):
+        """Yields (choice, delta, new token ids) as output arrives, until every choice is done;
+        a choice's last yield has its finish_reason set."""
+        running = list(choices)
+        while running:
+            await event.wait()
+            event.clear()
+            for c in list(running):
+                if not c.state.new_token_ids and not c.state.done:
+                    continue
+                delta, token_ids = c.advance()
+                if c.finish_reason is not None:
+                    running.remove(c)
+                    self.engine.abort([c.state])  # a stop string ended it: the engine may still run it
+                yield c, delta, token_ids
+
+    async def collect(self, choices: list[Choice], event: asyncio.Event) -> None:
+        async for _ in self.generate(choices, event):
+            pass
+
+    def usage(self, prompts: list[list[int]], choices: list[Choice]) -> Usage:
+        prompt_tokens = sum(map(len, prompts))
+        completion_tokens = sum(c.state.num_tokens for c in choices)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+    # --- endpoints --------------------------------------------------------------------------
+    async def completions(self, request: CompletionRequest, raw: Request):
+        self.check_model(request.model)
+        self.check_ready()
+        return await self.respond(request, self.completion_prompts(request.prompt), raw, chat=False)
+
+    async def chat_completions(self, request: ChatCompletionRequest, raw: Request):
+        self.check_model(request.model)
+        self.check_ready()
+        return await self.respond(request, [self.chat_prompt(request.messages)], raw, chat=True)
+
+    async def respond(self, request: SamplingRequest, prompts: list[list[int]], raw: Request, chat: bool):
+        """Runs the request's choices and answers with the whole response, or streams it."""
+        choices, event = await self.start_choices(request, prompts, chat, raw)
+        response_id, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        with_ids = request.return_token_ids
+
+        def chunk(choices_out: list, usage: Usage | None = None):
+            return (ChatCompletionChunk if chat else CompletionResponse)(
+                id=response_id, created=created, model=self.model_name, choices=choices_out, usage=usage)
+
+        def choice_out(c: Choice, text: str, token_ids: list[int], streamed: bool):
+            token_ids = token_ids if with_ids else None
+            if not chat:
+                return CompletionChoice(index=c.index, text=text, finish_reason=c.finish_reason, token_ids=token_ids)
+            if streamed:
+                return ChatChunkChoice(index=c.index, delta=Delta(content=text or None), finish_reason=c.finish_reason,
+                                       token_ids=token_ids)
+            return ChatChoice(index=c.index, message=AssistantMessage(content=text), finish_reason=c.finish_reason,
+                              token_ids=token_ids)
+
+        if request.stream:
+            async def deltas():
+                for c in choices if chat else ():  # the first delta of each choice carries the role
+                    yield sse(chunk([ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))]))
+                async for c, delta, token_ids in self.generate(choices, event):
+                    if delta or c.finish_reason or (with_ids and token_ids):
+                        yield sse(chunk([choice_out(c, delta, token_ids, streamed=True)]))
+
+            return self.stream(deltas(), choices, request, lambda: chunk([], self.usage(prompts, choices)))
+        await self.run_to_end(choices, event, raw)
+        choices_out = [choice_out(c, c.text.text, c.token_ids, streamed=False) for c in choices]
+        usage = self.usage(prompts, choices)
+        if chat:
+            return ChatCompletionResponse(id=response_id, created=created, model=self.model_name,
+                                          choices=choices_out, usage=usage)
+        return chunk(choices_out, usage)
+
+    async def run_to_end(self, choices: list[Choice], event: asyncio.Event, raw: Request) -> None:
+        try:
+            await until_disconnected(raw, self.collect(choices, event))
+        except EngineDeadError as exc:
+            raise engine_error(exc) from None
+        finally:
+            self.finish(choices)
+
+    def stream(self, deltas, choices: list[Choice], request: SamplingRequest, usage_chunk) -> StreamingResponse:
+        """Server-sent events: the deltas, an optional usage chunk, then [DONE]. An error
+        midway (the engine died) is sent as an error event before [DONE]."""
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+
+        async def events():
+            try:
+                async for event in deltas:
+                    yield event
+                if include_usage:
+                    yield sse(usage_chunk())
+            except Exception as exc:
+                if not isinstance(exc, EngineDeadError):
+                    logger.exception("a streamed response failed")
+                yield sse(engine_error(exc).body())
+            finally:  # also when the client left: the task is cancelled
+                self.finish(choices)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def tokenize(self, request: TokenizeRequest) -> dict:
+        self.check_model(request.model)
+        self.check_ready()
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError(400, "prompt: give either prompt or messages", param="prompt")
+        if request.messages is not None:
+            tokens = self.chat_prompt(request.messages)
+        elif self.tokenizer is None:
+            raise APIError(400, "prompt: this model has no tokenizer", param="prompt")
+        else:
+            tokens = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.engine.info["max_model_len"], "tokens": tokens}
+
+    def detokenize(self, request: DetokenizeRequest) -> dict:
+        self.check_model(request.model)
+        self.check_ready()
+        if self.tokenizer is None:
+            raise APIError(400, "tokens: this model has no tokenizer", param="tokens")
+        if not all(0 <= t < len(self.tokenizer) for t in request.tokens):
+            raise APIError(400, f"tokens: token ids must be in [0, {len(self.tokenizer)})", param="tokens")
+        return {"prompt": self.tokenizer.decode(request.tokens)}
+
+
+def engine_error(exc: Exception) -> APIError:
+    return APIError(500, str(exc) if isinstance(exc, EngineDeadError) else f"engine error: {exc}", code="engine_error")
+
+
+async def until_disconnected(raw: Request, awaitable):
+    """Runs `awaitable` unless the client disconnects first; then it is cancelled and
+    ClientDisconnected raised."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        disconnected = not task.done()
+        task.cancel()
+    if disconnected:
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- the application ---------------------------------------------------------------------------
+def build_app(model: str, engine_args: dict, served_model_name: str | None = None, api_key: str | None = None,
+              max_queue: int | None = None, engine_class=None) -> FastAPI:
+    """The FastAPI app serving `model`; the engine process starts with the app (lifespan) and
+    loads in the background: /health answers 503 until it is ready."""
+    server = OpenAIServer(model, engine_args, served_model_name, api_key, max_queue, engine_class)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await server.start()
+        logger.info("engine process %d is loading %s", server.engine.process.pid, model)
+        try:
+            yield
+        finally:
+            await server.shutdown()
+
+    app = FastAPI(title="nanovllm", lifespan=lifespan)
+    app.state.server = server
+    install_error_handlers(app)
+
+    async def check_api_key(raw: Request) -> None:
+        if server.api_key is not None and not secrets.compare_digest(
+                raw.headers.get("authorization", "").encode(), f"Bearer {server.api_key}".encode()):
+            raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request):
+        return await server.chat_completions(request, raw)
+
+    @v1.post("/completions")
+    async def completions(request: CompletionRequest, raw: Request):
+        return await server.completions(request, raw)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        info = server.engine.info or {}
+        return ModelList(data=[ModelCard(id=server.model_name, root=server.model_dir,
+                                         max_model_len=info.get("max_model_len", 0))])
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        server.check_ready()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        try:
+            return {"version": metadata.version("nanovllm")}
+        except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+            return {"version": "unknown"}
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        return server.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return server.detokenize(request)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape; invalid fields are 400s (FastAPI would answer 422)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_, exc: ClientDisconnected):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        errors = exc.errors()
+        if errors[0].get("type") == "json_invalid":
+            return APIError(400, f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}").response()
+        param = str(errors[0]["loc"][1]) if len(errors[0]["loc"]) > 1 else None  # loc[0] is "body"
+        messages = list(dict.fromkeys(e["msg"] for e in errors if e["loc"][1:2] == errors[0]["loc"][1:2]))
+        if len(messages) > 1:  # a union field (prompt, stop) fails once per accepted form
+            return APIError(400, f"{param}: matches none of its accepted forms ({'; '.join(messages)})",
+                            param=param).response()
+        return APIError(400, f"{param or 'body'}: {messages[0]}", param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM and Ctrl-C, once the graceful shutdown is done,
+    end the process with exit code 0 (uvicorn raises the signal again after it)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: the OS picks one). Made with proto IPPROTO_TCP: asyncio
+    sets TCP_NODELAY only on such sockets, and without it a response's body waits for the
+    client's delayed ACK of its headers (40 ms)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def serve(model: str, engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
+          served_model_name: str | None = None, api_key: str | None = None, max_queue: int | None = None,
+          shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
+    """Runs the server until SIGTERM or Ctrl-C; returns the exit code (1 if the engine failed to load)."""
+    sock = bind_socket(host, port)
+    app = build_app(model, engine_args, served_model_name, api_key, max_queue)
+    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout))
+    failure = []
+
+    def on_load_failure(message: str) -> None:
+        print(f"nanovllm serve: {message}; shutting down", flush=True)
+        failure.append(message)
+        server.should_exit = True
+
+    app.state.server.engine.on_load_failure = on_load_failure
+    bound = sock.getsockname()[1]
+    print(f"nanovllm serve: {app.state.server.model_name} on http://{host}:{bound}", flush=True)
+    server.run(sockets=[sock])
+    return 1 if failure else 0

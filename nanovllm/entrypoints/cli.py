@@ -1,0 +1,83 @@
+"""The `nanovllm` command: `nanovllm serve MODEL_DIR` runs the OpenAI-compatible server,
+`nanovllm bench` runs bench.py's throughput workload (from a source checkout)."""
+import argparse
+import dataclasses
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from nanovllm.config import Config
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine setting of Config (--max-model-len, --enforce-eager, ...), so the
+    flags follow the engine's settings and their defaults."""
+    group = parser.add_argument_group("engine", "settings of the engine (see nanovllm.LLM)")
+    for field in dataclasses.fields(Config):
+        if not field.init or field.name == "model":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if field.type is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            group.add_argument(flag, type=field.type, default=field.default, help=f"(default: {field.default})")
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.init and f.name != "model"}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="checkpoint folder (config.json, safetensors, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: loopback only; 0.0.0.0 exposes the server)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
+    parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL)")
+    parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY)")
+    parser.add_argument("--max-queue", type=int,
+                        help="answer 429 while this many requests wait for their first token")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C (default: 30)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(parser)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from nanovllm.entrypoints.api_server import serve
+    if args.max_queue is not None and args.max_queue < 0:
+        raise SystemExit("nanovllm serve: --max-queue must be >= 0")
+    if args.data_parallel_size != 1:
+        raise SystemExit("nanovllm serve: one server runs one engine; for data parallelism run a server per "
+                         "replica (--data-parallel-size must be 1)")
+    return serve(args.model, engine_args(args), host=args.host, port=args.port,
+                 served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+                 shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+
+
+def run_bench(rest: list[str]) -> int:
+    script = str(Path(__file__).resolve().parents[2] / "bench.py")
+    if not os.path.isfile(script):
+        raise SystemExit("nanovllm bench: bench.py not found; it runs from a source checkout (pip install -e .)")
+    sys.argv = [script, *rest]
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
+    commands.add_parser("bench", add_help=False, help="run bench.py's throughput workload (its flags follow)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return run_bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

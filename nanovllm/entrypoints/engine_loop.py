@@ -1,0 +1,297 @@
+"""The engine runs in a process of its own, stepping back to back; the HTTP server talks to it
+over a socket pair. A separate process rather than a thread: the server's Python work (HTTP,
+JSON, detokenization) would otherwise contend with the engine's host work for the GIL, and
+every torch call that releases the GIL could wait a full switch interval to get it back,
+stalling the GPU.
+
+Server -> engine: ("add", request_id, prompt_ids, params), ("abort", [request_ids]), ("shutdown",).
+Engine -> server: ("ready", info) or ("failed", error) once, then after every step (or batch
+of adds and aborts) ("step", outputs, accepted, rejected, stats), and ("fatal", error) if a
+step raises. Outputs are (request_id, token_id, finish_reason or None) tuples: new requests
+and aborts are applied between steps, and each step's tokens travel in one message."""
+import asyncio
+import atexit
+import itertools
+import multiprocessing
+import pickle
+import queue
+import signal
+import socket
+import struct
+import threading
+import time
+import traceback
+
+_HEADER = struct.Struct("<Q")
+
+
+def _frame(message) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --- the engine process ------------------------------------------------------------------------
+def engine_main(model: str, engine_args: dict, sock: socket.socket, engine_class=None) -> None:
+    """Entry point of the engine process. Signals go to the server process, which shuts the
+    engine down in order (Ctrl-C reaches the whole process group); a closed socket means the
+    server is gone, and the engine exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    inbox = queue.SimpleQueue()
+    threading.Thread(target=_receive, args=(sock, inbox), daemon=True, name="engine-inbox").start()
+    try:
+        if engine_class is None:
+            from nanovllm import LLM as engine_class
+        engine = engine_class(model, **engine_args)
+        info = {"max_model_len": engine.config.max_model_len, "sampling_defaults": dict(engine.sampling_defaults)}
+    except Exception as exc:
+        sock.sendall(_frame(("failed", _describe(exc))))
+        raise SystemExit(1) from None
+    sock.sendall(_frame(("ready", info)))
+    try:
+        EngineLoop(engine, sock).run(inbox)
+    except ConnectionError:  # the server is gone: nobody to tell
+        pass
+    except Exception as exc:
+        traceback.print_exc()
+        sock.sendall(_frame(("fatal", _describe(exc))))
+        raise SystemExit(1) from None
+    finally:
+        engine.close()  # a tensor-parallel engine's ranks stop with it
+
+
+def _receive(sock: socket.socket, inbox: queue.SimpleQueue) -> None:
+    """Moves messages from the socket to the inbox, so the server never waits on a busy engine."""
+    stream = sock.makefile("rb")
+    while len(header := stream.read(_HEADER.size)) == _HEADER.size:
+        inbox.put(pickle.loads(stream.read(_HEADER.unpack(header)[0])))
+    inbox.put(("shutdown",))
+
+
+class EngineLoop:
+    def __init__(self, engine, sock: socket.socket):
+        self.engine, self.sock = engine, sock
+        self.request_ids: dict[int, int] = {}  # engine request id -> server request id
+        self.engine_ids: dict[int, int] = {}  # server request id -> engine request id
+
+    def run(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            messages = [] if not self.engine.is_finished() else [inbox.get()]
+            while not inbox.empty():
+                messages.append(inbox.get())
+            accepted, rejected = [], []
+            for message in messages:
+                if message[0] == "shutdown":
+                    return
+                self._apply(message, accepted, rejected)
+            outputs = [] if self.engine.is_finished() else self._step()
+            self.sock.sendall(_frame(("step", outputs, accepted, rejected, self._stats())))
+
+    def _apply(self, message: tuple, accepted: list, rejected: list) -> None:
+        if message[0] == "add":
+            _, request_id, prompt_ids, params = message
+            try:
+                engine_id = self.engine.add_request(prompt_ids, params)
+            except ValueError as exc:
+                rejected.append((request_id, str(exc)))
+                return
+            self.request_ids[engine_id], self.engine_ids[request_id] = request_id, engine_id
+            accepted.append(request_id)
+        else:  # abort
+            for request_id in message[1]:
+                engine_id = self.engine_ids.pop(request_id, None)
+                if engine_id is not None:
+                    del self.request_ids[engine_id]
+                    self.engine.abort(engine_id)
+
+    def _step(self) -> list[tuple[int, int, str | None]]:
+        outputs = []
+        for out in self.engine.step():
+            request_id = self.request_ids.get(out["request_id"])
+            if request_id is None:  # aborted since its step was launched
+                continue
+            if out["finished"]:
+                del self.request_ids[out["request_id"]], self.engine_ids[request_id]
+            outputs.append((request_id, out["new_token_id"], out["finish_reason"] if out["finished"] else None))
+        return outputs
+
+    def _stats(self) -> dict:
+        scheduler = self.engine.scheduler
+        return {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
+                **self.engine.memory_stats()}
+
+
+# --- the server side ---------------------------------------------------------------------------
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestState:
+    """One engine request as the server sees it. `event` is shared by the requests of one HTTP
+    request (its choices), so a handler wakes once for whatever arrived for any of them."""
+    __slots__ = ("request_id", "event", "new_token_ids", "num_tokens", "accepted", "finish_reason", "error",
+                 "arrival", "first_token_time", "last_token_time")
+
+    def __init__(self, request_id: int, event: asyncio.Event):
+        self.request_id, self.event = request_id, event
+        self.new_token_ids: list[int] = []
+        self.num_tokens = 0
+        self.accepted = False
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+        self.arrival = time.perf_counter()
+        self.first_token_time = self.last_token_time = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def take(self) -> list[int]:
+        token_ids, self.new_token_ids = self.new_token_ids, []
+        return token_ids
+
+
+class AsyncEngine:
+    """The server's handle on the engine process. Lives on the server's event loop: add() and
+    abort() only queue a message; one reader task routes each step's tokens to the requests'
+    states. `metrics` (metrics.ServerMetrics) is told of every token."""
+
+    def __init__(self, model: str, engine_args: dict, metrics, engine_class=None):
+        self.model, self.engine_args, self.engine_class = model, engine_args, engine_class
+        self.metrics = metrics
+        self.info: dict | None = None  # set once the engine is loaded
+        self.error: str | None = None  # why the engine is gone
+        self.stats: dict = {}
+        self.requests: dict[int, RequestState] = {}
+        self.num_waiting = 0  # requests without a first token yet
+        self.process = None
+        self.on_load_failure = None  # called with the error if the engine never becomes ready
+        self._ids = itertools.count()
+        self._writer = self._reader_task = None
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.error is None
+
+    async def start(self) -> None:
+        ours, theirs = socket.socketpair()
+        # Not a daemon: a tensor-parallel engine starts processes of its own.
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=engine_main, args=(self.model, self.engine_args, theirs, self.engine_class), name="nanovllm-engine")
+        self.process.start()
+        atexit.register(self._kill)  # runs before multiprocessing's exit hook, which would wait for it
+        theirs.close()
+        reader, self._writer = await asyncio.open_connection(sock=ours)
+        self._reader_task = asyncio.create_task(self._read(reader))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine process: in order if it answers within `timeout`, else killed."""
+        if self.process is None:
+            return
+        running = self.error is None
+        self.fail("the server is shutting down", notify=False)
+        if running:
+            self._send(("shutdown",))
+        await asyncio.get_running_loop().run_in_executor(None, self.process.join, timeout)
+        self._kill()
+        atexit.unregister(self._kill)
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        if self._writer is not None:
+            self._writer.close()
+
+    def _kill(self) -> None:
+        """Ends the engine process if it still runs (a server that exits without shutdown())."""
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def add(self, prompt_ids: list[int], params, event: asyncio.Event) -> RequestState:
+        if self.error is not None:
+            raise EngineDeadError(self.error)
+        state = RequestState(next(self._ids), event)
+        self.requests[state.request_id] = state
+        self.num_waiting += 1
+        self._send(("add", state.request_id, prompt_ids, params))
+        return state
+
+    def abort(self, states: list[RequestState]) -> None:
+        """Stops the states' requests that have not finished; their cache blocks are freed
+        before the engine's next step."""
+        aborted = [s.request_id for s in states if self._forget(s.request_id)]
+        if aborted and self.error is None:
+            self._send(("abort", aborted))
+
+    def _send(self, message) -> None:
+        self._writer.write(_frame(message))
+
+    def _forget(self, request_id: int) -> RequestState | None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.first_token_time is None:
+            self.num_waiting -= 1
+        return state
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                size = _HEADER.unpack(await reader.readexactly(_HEADER.size))[0]
+                message = pickle.loads(await reader.readexactly(size))
+                if message[0] == "step":
+                    self._on_step(*message[1:])
+                elif message[0] == "ready":
+                    self.info = message[1]
+                else:  # failed or fatal
+                    self.fail(f"the engine {'failed to start' if message[0] == 'failed' else 'failed'}: "
+                               f"{message[1]}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            if self.error is None:  # the socket closed: the process is exiting, wait for its exit code
+                await asyncio.get_running_loop().run_in_executor(None, self.process.join, 5.0)
+                self.fail(f"the engine process exited (exit code {self.process.exitcode})")
+
+    def _on_step(self, outputs, accepted, rejected, stats) -> None:
+        now = time.perf_counter()
+        for request_id in accepted:
+            if (state := self.requests.get(request_id)) is not None:
+                state.accepted = True
+                state.event.set()
+        for request_id, message in rejected:
+            if (state := self._forget(request_id)) is not None:
+                state.error = ValueError(message)
+                state.event.set()
+        for request_id, token_id, finish_reason in outputs:
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            if state.first_token_time is None:
+                state.first_token_time = now
+                self.num_waiting -= 1
+                self.metrics.first_token(now - state.arrival)
+            else:
+                self.metrics.inter_token(now - state.last_token_time)
+            state.last_token_time = now
+            state.new_token_ids.append(token_id)
+            state.num_tokens += 1
+            if finish_reason is not None:
+                state.finish_reason = finish_reason
+                del self.requests[request_id]
+            state.event.set()
+        self.metrics.generation_tokens(len(outputs))
+        self.stats = stats
+
+    def fail(self, message: str, notify: bool = True) -> None:
+        """Marks the engine gone: every request in flight gets EngineDeadError, new ones are
+        refused. `notify`: tell on_load_failure, if the engine never became ready."""
+        if self.error is not None:
+            return
+        self.error = message
+        for state in self.requests.values():
+            state.error = EngineDeadError(message)
+            state.event.set()
+        self.requests.clear()
+        self.num_waiting = 0
+        if notify and self.info is None and self.on_load_failure is not None:
+            self.on_load_failure(message)

@@ -1,0 +1,100 @@
+"""The `nanovllm` command: its help, and `python -m nanovllm.serve` as a process: it finishes
+the request in flight on SIGTERM, exits 0 and leaves no engine process behind; an engine that
+fails to load ends it with exit code 1."""
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+from servers import ENGINE_ARGS, TIMEOUT, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def engine_flags() -> list[str]:
+    flags = []
+    for name, value in ENGINE_ARGS.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+class ServeProcess:
+    """`python -m nanovllm.serve MODEL --port 0 ...` with its output read line by line."""
+
+    def __init__(self, model, *flags):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        self.process = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", str(model), "--port", "0",
+                                         *engine_flags(), *flags], env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str) -> re.Match:
+        while True:
+            try:
+                line = self.lines.get(timeout=TIMEOUT)
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(self.output)}") from None
+            self.output.append(line)
+            if match := re.search(pattern, line):
+                return match
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(TIMEOUT)
+
+
+def test_help_lists_the_subcommands():
+    out = subprocess.run([sys.executable, "-m", "nanovllm", "--help"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=TIMEOUT)
+    assert out.returncode == 0 and "serve" in out.stdout and "bench" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "nanovllm", "serve", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=TIMEOUT)
+    for flag in ("--api-key", "--max-queue", "--max-model-len", "--enforce-eager", "--load-format", "--host"):
+        assert flag in out.stdout
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(chat_checkpoint):
+    server = ServeProcess(chat_checkpoint, "--shutdown-timeout", "60")
+    try:
+        url = server.wait_for(r"on (http://127\.0\.0\.1:\d+)").group(1)
+        engine_pid = int(server.wait_for(r"engine process (\d+)").group(1))
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, what="the server to be ready")
+        body = {"prompt": [3, 4, 5], "max_tokens": 60, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            server.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+        assert server.process.wait(TIMEOUT) == 0
+        try:
+            os.kill(engine_pid, 0)
+            raise AssertionError("the engine process outlived the server")
+        except ProcessLookupError:
+            pass
+    finally:
+        server.stop()
+
+
+def test_an_engine_that_fails_to_load_ends_the_server(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    server = ServeProcess(tmp_path)
+    try:
+        assert server.process.wait(TIMEOUT) == 1
+        server.wait_for(r"failed to start: ValueError: model: architecture 'GPT2LMHeadModel' is not supported")
+    finally:
+        server.stop()

@@ -133,10 +133,10 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _unit_offset_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Gemma's norm scales by 1 + weight (computed in fp32 by transformers, here in the weight's dtype)."""
+    """Gemma's norm scales by 1 + weight, computed in fp32 as transformers does (the kernel takes an fp32 weight)."""
     if hidden_states.dtype != self.weight.dtype or _autograd_needed(self, hidden_states):
         return type(self).forward(self, hidden_states)
-    return rms_norm_kernel(hidden_states, 1 + self.weight, self.eps)
+    return rms_norm_kernel(hidden_states, 1 + self.weight.float(), self.eps)
 
 
 class _MergedGateUp(_Swap):

@@ -56,7 +56,9 @@ def _require_last_dim_vector(x: torch.Tensor, vector: torch.Tensor, name: str) -
     _require_float(x, "x")
     _require_float(vector, name)
     _require(vector.shape == (x.shape[-1],), name, lambda: f"shape {tuple(vector.shape)} must be ({x.shape[-1]},)")
-    _require(vector.dtype == x.dtype, name, lambda: f"dtype {vector.dtype} differs from x's {x.dtype}")
+    # float32 too: a vector kept in fp32 for precision (Gemma's 1 + w); every kernel upcasts it
+    _require(vector.dtype in (x.dtype, torch.float32), name,
+             lambda: f"dtype {vector.dtype} must be x's {x.dtype} or torch.float32")
 
 
 def _require_gated(x: torch.Tensor) -> None:
@@ -99,7 +101,8 @@ def element_wise_mul_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, in x's dtype; weight is
+    x's dtype or float32."""
     _require_last_dim_vector(x, weight, "weight")
     return implementation("rms_norm", x.device)(x, weight, eps)
 

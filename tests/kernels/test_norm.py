@@ -93,6 +93,26 @@ def test_fused_add_rms_norm_with_x_as_its_own_residual(device, dtype):
     assert_close(normed, expected_normed, dtype)
 
 
+# Gemma's norm scale 1 + w, held in fp32 by the model whatever x's dtype.
+FP32_WEIGHT_TARGETS = [
+    pytest.param("cpu", torch.bfloat16, id="reference-bfloat16"),
+    pytest.param("cpu", torch.float16, id="reference-float16"),
+    TARGETS[1],  # interpreter, bf16
+    *(pytest.param("cuda", dtype, marks=pytest.mark.gpu, id=f"cuda-{str(dtype)[6:]}")
+      for dtype in (torch.bfloat16, torch.float16)),
+]
+
+
+@pytest.mark.parametrize("device,dtype", FP32_WEIGHT_TARGETS)
+def test_float32_weight_with_half_precision_x(device, dtype):
+    """Output in x's dtype, computed in fp32 from the fp32 weight (reference or kernel, as
+    dispatch serves)."""
+    weight = 1 + 0.01 * randn(1000, dtype=torch.float32, device=device)
+    _check_rms_norm(randn(7, 1000, dtype=dtype, device=device), weight, dtype)
+    _check_rms_norm(strided_rows(5, 1000, dtype, device), weight, dtype)
+    _check_fused(randn(7, 1000, dtype=dtype, device=device), randn(7, 1000, dtype=dtype, device=device), weight, dtype)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_capture():
     x = randn(64, 1024, dtype=torch.bfloat16, device="cuda")
@@ -131,6 +151,9 @@ def test_row_layout_addresses_every_row(x):
 @pytest.mark.parametrize("call,name", [
     (lambda: rms_norm(torch.randn(3, 8), torch.randn(7), EPS), "weight"),
     (lambda: rms_norm(torch.randn(3, 8), torch.randn(8, dtype=torch.float16), EPS), "weight"),
+    (lambda: rms_norm(torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.float16), EPS), "weight"),
+    (lambda: fused_add_rms_norm(torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16),
+                                torch.randn(8, dtype=torch.float64), EPS), "weight"),
     (lambda: rms_norm(torch.arange(8), torch.randn(8), EPS), "x"),
     (lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(2, 8), torch.randn(8), EPS), "residual"),
     (lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8, dtype=torch.float16), torch.randn(8), EPS),

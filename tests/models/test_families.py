@@ -116,3 +116,20 @@ def test_triton_kernels_match_transformers(name, family_checkpoint, family_refer
     outs = llm.generate(prompts, greedy(8), use_tqdm=False)
     ref = family_reference(name)
     assert [o["token_ids"] for o in outs] == [ref(p, 8) for p in prompts]
+
+
+def test_gemma_in_bf16_keeps_its_norm_scales_in_fp32(family_checkpoint, new_llm, greedy, random_ids):
+    """1 + w exactly, from w in bf16 as transformers adds it: a bf16 scale near 1.0 steps by
+    2^-7, most of a small w. Everything else stays bf16, and the mixed model generates."""
+    from safetensors.torch import load_file
+    path = family_checkpoint("gemma")
+    checkpoint = load_file(path / "model.safetensors")
+    llm = new_llm(path, dtype="bfloat16")
+    params = dict(llm.model_runner.model.named_parameters())
+    norms = {name: param for name, param in params.items() if name.endswith("norm.weight")}
+    assert norms.keys() == {name for name in checkpoint if name.endswith("norm.weight")}
+    for name, param in norms.items():
+        assert param.dtype == torch.float32, name
+        assert torch.equal(param, checkpoint[name].to(torch.bfloat16).float() + 1), name
+    assert all(param.dtype == torch.bfloat16 for name, param in params.items() if name not in norms)
+    assert len(llm.generate([random_ids(20, seed=12)], greedy(4), use_tqdm=False)[0]["token_ids"]) == 4

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in stages: the gpu-marked tests, the kernel suite, bench.py
-# (default workload with a profile, one sequence, against transformers), and the attention,
-# launch, swap_layers and concurrency benchmarks. Each stage's log and results go to a folder
+# Everything on one GPU, in stages: the gpu-marked tests, the kernel suite, bench.py (default
+# workload with a profile, one sequence, against transformers), decode latency with a profile,
+# the sampler, and the attention, launch, swap_layers and concurrency benchmarks. The server
+# has scripts/serve_check.sh, several GPUs scripts/multi_gpu_check.sh. Each stage's log and results go to a folder
 # of their own, and all of them into one archive, $OUT/gpu_results.tgz (OUT defaults to
 # ./gpu_out); the last lines of each log are printed as the stage ends.
 #
 #   bash scripts/gpu_check.sh                                # every default stage
-#   STAGES="tests kernels" bash scripts/gpu_check.sh         # chosen stages (also: mlp, sweep, bench_eager)
+#   STAGES="tests kernels" bash scripts/gpu_check.sh         # chosen stages (also: mlp, sweep, bench_eager, gemv,
+#                                                            # sliding_window)
 #
 # STAGE_TIMEOUT (seconds, default 300) bounds each stage; TAIL (default 25) is the lines shown.
 set -uo pipefail
@@ -16,7 +18,7 @@ OUT=$(mktemp -d)
 trap 'tar czf "$FINAL/gpu_results.tgz" -C "$OUT" .' EXIT
 mkdir -p "$FINAL"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"info tests kernels bench single attention launch hfswap concurrency comparehf"}
+STAGES=${STAGES:-"info tests kernels bench single latency sampling attention launch hfswap concurrency comparehf"}
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   timeout "${STAGE_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0)) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
@@ -25,6 +27,10 @@ for stage in $STAGES; do case $stage in
   tests) run tests python3 -m pytest -q -m gpu --durations=15 tests ;;
   kernels) run kernels python3 -m benchmarks.bench_kernels --out "$OUT/kernels" ;;
   mlp) run mlp python3 -m nanovllm.layers.custom_mlp ;;
+  latency) run latency python3 -m benchmarks.bench_latency --profile --out "$OUT/latency" ;;
+  gemv) run gemv python3 -m benchmarks.bench_gemv --out "$OUT/gemv" ;;
+  sampling) run sampling python3 -m benchmarks.bench_sampling --out "$OUT/sampling" ;;
+  sliding_window) run sliding_window python3 -m benchmarks.bench_sliding_window --out "$OUT/sliding_window" ;;
   attention) run attention python3 -m benchmarks.bench_attention --out "$OUT/attention" ;;
   bench) run bench python3 bench.py --profile --out "$OUT/bench" ;;
   bench_eager) run bench_eager python3 bench.py --enforce-eager --out "$OUT/bench_eager" ;;

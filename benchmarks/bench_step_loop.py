@@ -3,16 +3,13 @@ prompts, lengths, sampling and dummy weights): every request queued with add_req
 step() called back to back until the engine is idle, as a server's engine thread runs it.
 Both keep one step in flight on the device, so the two rates should be close.
 
-    python benchmarks/bench_step_loop.py             # the GPU workload: 256 sequences, Qwen3-0.6B shape
-    python benchmarks/bench_step_loop.py --num-seqs 64
+    python -m benchmarks.bench_step_loop             # the GPU workload: 256 sequences, Qwen3-0.6B shape
+    python -m benchmarks.bench_step_loop --num-seqs 64
 """
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import apply_defaults, device_name, make_workload, parse_args, sync, timed_generate  # noqa: E402
-from nanovllm import LLM, SamplingParams  # noqa: E402
+from bench import apply_defaults, device_name, make_workload, parse_args, sync, timed_generate
+from nanovllm import LLM, SamplingParams
 
 
 def timed_step_loop(llm, prompts, params) -> tuple[int, float]:

@@ -1,12 +1,8 @@
 """Fixtures for the tensor- and data-parallel tests."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoints import build_checkpoint  # noqa: E402
+from checkpoints import build_checkpoint
 
 
 @pytest.fixture(autouse=True)

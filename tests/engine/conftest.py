@@ -1,6 +1,7 @@
 """Fixtures for the end-to-end engine tests: tiny checkpoints, a greedy transformers reference,
 and a builder for CPU float32 engines."""
 
+import functools
 import random
 from pathlib import Path
 
@@ -67,27 +68,13 @@ class GreedyReference:
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(name) -> folder of the named entry of CHECKPOINTS, built once per session."""
-    built = {}
-
-    def get(name: str) -> Path:
-        if name not in built:
-            built[name] = build_checkpoint(tmp_path_factory.mktemp(name), **CHECKPOINTS[name])
-        return built[name]
-
-    return get
+    return functools.cache(lambda name: build_checkpoint(tmp_path_factory.mktemp(name), **CHECKPOINTS[name]))
 
 
 @pytest.fixture(scope="session")
 def reference(checkpoint):
     """reference(name) -> GreedyReference for that checkpoint, loaded once per session."""
-    refs = {}
-
-    def get(name: str) -> GreedyReference:
-        if name not in refs:
-            refs[name] = GreedyReference(checkpoint(name))
-        return refs[name]
-
-    return get
+    return functools.cache(lambda name: GreedyReference(checkpoint(name)))
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 A process is a rank of at most one group at a time (the ranks of one engine); outside a group
 it is rank 0 of 1 and the layers run no collective. NCCL on GPUs, gloo on the CPU."""
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ def local_store(world_size: int, port: int = 0) -> dist.TCPStore:
 def init(rank: int, world_size: int, device: torch.device, store: dist.Store | None = None) -> None:
     """Joins the group through `store`, or through torchrun's env:// variables without one."""
     global _rank, _world_size
+    if _abort_pending():
+        raise RuntimeError("this process holds the NCCL group of a tensor-parallel engine whose rank failed, and "
+                           "aborting it did not finish; start another tensor-parallel engine in a new process")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # "cuda" without an index means this rank's GPU from here on
     rendezvous = dict(store=store) if store is not None else dict(init_method="env://")
@@ -44,13 +48,28 @@ def init(rank: int, world_size: int, device: torch.device, store: dist.Store | N
     _rank, _world_size = rank, world_size
 
 
+# After a rank dies, NCCL's abort stops this rank's waiting kernels at once (the stream drains)
+# but may then wait without end to free what the lost rank shared (two H200s, NCCL 2.28: still
+# waiting after 40 s). close() waits this long for it, then leaves it running in its thread.
+ABORT_WAIT_S = 10.0
+_abandoned: threading.Thread | None = None
+
+
+def _abort_pending() -> bool:
+    return _abandoned is not None and _abandoned.is_alive()
+
+
 def destroy(abort: bool = False) -> None:
     """Leaves the group. `abort` after a rank failed: NCCL operations waiting for the lost rank
     would otherwise never finish, and a plain destroy would wait for them."""
-    global _rank, _world_size
-    if dist.is_initialized():
+    global _rank, _world_size, _abandoned
+    if dist.is_initialized() and not _abort_pending():
         if abort and dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
+            aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, daemon=True,
+                                        name="nanovllm-nccl-abort")
+            aborting.start()
+            aborting.join(ABORT_WAIT_S)
+            _abandoned = aborting if aborting.is_alive() else None
         else:
             dist.destroy_process_group()
     _rank, _world_size = 0, 1

@@ -186,7 +186,7 @@ sizes() { local list=1; [ "$1" != 1 ] && list="1 $1"; echo $list; }  # 1, and th
 for stage in $STAGES; do case $stage in
   info) run info bash -c 'nvidia-smi; date -u; python3 -c "import torch, triton, transformers
 print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.device_count())"' ;;
-  tests) run tests python3 -m pytest -q -m gpu --durations=10 tests/distributed ;;
+  tests) run tests python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests/distributed ;;
   correctness) run correctness python3 "$CHECK" correctness "$QWEN3_8B" "$TP" "${CHECK_LAYERS:-36}" ;;
   single8b) for tp in $(sizes "$TP"); do
       bench "single8b_tp$tp" --model "$QWEN3_8B" --tensor-parallel-size "$tp" $SINGLE; done ;;

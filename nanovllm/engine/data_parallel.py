@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer, split_requests
-from nanovllm.engine.worker import Workers, exit_with_parent, report_failure, serve
+from nanovllm.engine.worker import Workers, report_failure, serve, start_child
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -23,16 +23,15 @@ class DataParallelLLM:
         self.config = Config(model, **engine_args)  # every check before a process starts
         self.tokenizer = load_tokenizer(model)
         replicas, ranks = self.config.data_parallel_size, self.config.tensor_parallel_size
-        devices = [None] * replicas
-        if self.config.torch_device.type == "cuda":
+        envs = None
+        if self.config.torch_device.type == "cuda":  # replica i sees GPUs i*N .. i*N+N-1 as its cuda:0..N-1
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
             visible = visible.split(",")
-            devices = [",".join(visible[i * ranks:(i + 1) * ranks]) for i in range(replicas)]
-        args = [(model, {**engine_args, "data_parallel_size": 1}, devices[i], torch.get_num_threads())
-                for i in range(replicas)]
+            envs = [{"CUDA_VISIBLE_DEVICES": ",".join(visible[i * ranks:(i + 1) * ranks])} for i in range(replicas)]
+        args = [(model, {**engine_args, "data_parallel_size": 1}, torch.get_num_threads())] * replicas
         # Not daemons: a replica starts its own tensor-parallel ranks.
         self.replicas = Workers.spawn(replica, args, [f"data-parallel replica {i}" for i in range(replicas)],
-                                      daemon=False)
+                                      daemon=False, envs=envs)
         self._close = weakref.finalize(self, _close, self.replicas)
         atexit.register(self._close)  # after multiprocessing's exit hook, which would wait for the replicas
         try:
@@ -90,13 +89,11 @@ def _close(replicas: Workers) -> None:
     replicas.join(timeout=30.0)
 
 
-def replica(conn, model: str, engine_args: dict, devices: str | None, num_threads: int) -> None:
-    """A replica's process: its engine on `devices` (its CUDA_VISIBLE_DEVICES), serving
-    generate() calls until closed."""
-    if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+def replica(conn, model: str, engine_args: dict, num_threads: int) -> None:
+    """A replica's process: its engine on the GPUs of the CUDA_VISIBLE_DEVICES it started with,
+    serving generate() calls until closed."""
     torch.set_num_threads(num_threads)
-    exit_with_parent()
+    start_child()
     try:
         engine = LLMEngine(model, **engine_args)
         conn.send(("ok", "ready"))

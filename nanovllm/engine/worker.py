@@ -5,10 +5,14 @@ and sends it `(method, *args)` messages, which the child runs in order. A connec
 whole messages in order, so a step is never overwritten before a rank has read it. A child
 answers ("ok", payload) when it is ready or has a result, ("invalid", ValueError) for a bad
 request, or ("error", traceback) before it exits; it exits by itself when the parent is gone."""
+import collections
+import contextlib
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import secrets
+import signal
 import threading
 import time
 import traceback
@@ -31,17 +35,23 @@ class Workers:
     def __init__(self, conns: list, processes: list, names: list[str]):
         self.conns, self.processes, self.names = conns, processes, names
         self.failure: Exception | None = None
+        # Answers check() read while watching for failures, kept for replies() (a rank that
+        # finishes building while rank 0 still waits for the device answers early).
+        self._early: list[collections.deque] = [collections.deque() for _ in conns]
 
     @classmethod
-    def spawn(cls, target, args_per_child: list[tuple], names: list[str], daemon: bool = True) -> "Workers":
+    def spawn(cls, target, args_per_child: list[tuple], names: list[str], daemon: bool = True,
+              envs: list[dict] | None = None) -> "Workers":
         """Starts target(conn, *args) in a fresh interpreter for each args (the spawn method:
-        CUDA cannot be used in a forked child)."""
+        CUDA cannot be used in a forked child), with each child's `envs` entry added to the
+        environment it starts with."""
         context = mp.get_context("spawn")
         conns, processes = [], []
-        for args, name in zip(args_per_child, names):
+        for args, name, env in zip(args_per_child, names, envs or [{}] * len(names)):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=target, args=(child_end, *args), name=f"nanovllm {name}", daemon=daemon)
-            process.start()
+            with _environment(env):
+                process.start()
             child_end.close()  # then only the child holds its end: the child's exit reads as EOF here
             conns.append(parent_end)
             processes.append(process)
@@ -85,11 +95,12 @@ class Workers:
         raised at once; a ValueError it reports, once the others have answered."""
         pending, invalid = set(indices), None
         while pending:
-            for conn in mpc.wait([self.conns[i] for i in pending]):
-                index = self.conns.index(conn)
+            ready = [i for i in pending if self._early[i]] or [
+                self.conns.index(conn) for conn in mpc.wait([self.conns[i] for i in pending])]
+            for index in ready:
                 pending.discard(index)
                 try:
-                    payload = self._receive(index)
+                    payload = self._early[index].popleft() if self._early[index] else self._receive(index)
                 except ValueError as exc:
                     invalid = invalid or exc
                     continue
@@ -104,11 +115,12 @@ class Workers:
 
     def check(self, timeout: float = 0.0) -> None:
         """Raises the failure of a child that reported one or exited, waiting up to `timeout`
-        seconds for it. Past its start, a rank speaks unasked only to fail."""
+        seconds for it. An answer read meanwhile waits for replies()."""
         if self.failure is not None:
             raise self.failure
         for conn in mpc.wait(self.conns, timeout):
-            self._receive(self.conns.index(conn))
+            index = self.conns.index(conn)
+            self._early[index].append(self._receive(index))
 
     def wait_event(self, event: torch.cuda.Event) -> None:
         """Waits for a CUDA event, watching the children meanwhile: the collectives of a step
@@ -146,7 +158,31 @@ class Workers:
         return f" with code {self.processes[index].exitcode}"
 
 
+@contextlib.contextmanager
+def _environment(env: dict):
+    """os.environ with `env` added, for a child to start with. A variable read when a module is
+    imported (CUDA_VISIBLE_DEVICES: the first CUDA call fixes the devices a process sees, and
+    importing the kernels makes one) must be set before the child unpickles its target."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
 # --- the child's side ---------------------------------------------------------------------
+def start_child() -> None:
+    """What every child does first: it exits with its parent, and `kill -USR1 PID` prints its
+    threads' stacks to stderr (where a rank waits when a group hangs)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    exit_with_parent()
+
+
 def exit_with_parent() -> None:
     """Ends this process within a second of its parent's death, even while it waits inside a
     collective for a rank that is gone."""
@@ -214,7 +250,7 @@ def start_ranks(runner_cls, config: Config) -> Workers:
 def tensor_parallel_rank(conn, runner_cls, config: Config, rank: int, store_port: int, num_threads: int) -> None:
     """A spawned rank: joins rank 0's group, builds its shard, then runs the steps rank 0 sends."""
     torch.set_num_threads(num_threads)
-    exit_with_parent()
+    start_child()
     conn.send(("ok", "started"))
     device = distributed.rank_device(config.torch_device, rank)
     run_rank(conn, runner_cls, config, rank, lambda: distributed.init(

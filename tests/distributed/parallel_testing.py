@@ -1,7 +1,9 @@
 """Helpers of the tensor- and data-parallel tests: CPU processes joined by gloo, one torch
 thread each (the CI machine has 2 cores), and checks that no process outlives its test."""
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 ENGINE = dict(device="cpu", dtype="float32", enforce_eager=True, max_model_len=256, kvcache_block_size=16,
@@ -47,5 +49,9 @@ def call_with_timeout(fn, *args, timeout: float = TIMEOUT_S, **kwargs):
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     thread.join(timeout)
+    if thread.is_alive():
+        for pid in child_pids():  # children print their stacks to the test's stderr (worker.start_child)
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
     assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} did not return within {timeout} s"
     return box["result"]

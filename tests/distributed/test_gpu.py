@@ -18,6 +18,14 @@ ENGINE = dict(device="cuda", dtype="float32", max_model_len=512, kvcache_block_s
               num_kvcache_blocks=256)
 
 
+def engine(**engine_args) -> LLM:
+    """An engine whose start, if it hangs, fails the test with every rank's stack printed."""
+    result = call_with_timeout(LLM, **engine_args)
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 def tokens(llm) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
@@ -36,22 +44,22 @@ def expected(checkpoint):
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_tp2_equals_one_gpu_and_transformers(checkpoint, expected, enforce_eager):
-    with LLM(str(checkpoint), tensor_parallel_size=2, **{**ENGINE, "enforce_eager": enforce_eager}) as llm:
+    with engine(model=str(checkpoint), tensor_parallel_size=2, **{**ENGINE, "enforce_eager": enforce_eager}) as llm:
         assert bool(llm.model_runner.graphs) != enforce_eager
         assert tokens(llm) == expected
     assert not child_pids()
 
 
 def test_dp2_equals_one_gpu(checkpoint, expected):
-    with LLM(str(checkpoint), data_parallel_size=2, **ENGINE) as llm:
+    with engine(model=str(checkpoint), data_parallel_size=2, **ENGINE) as llm:
         assert tokens(llm) == expected
     assert not child_pids()
 
 
 def test_killed_rank_raises_and_leaves_nothing(checkpoint, monkeypatch):
     monkeypatch.setattr(llm_engine, "ModelRunner", KilledRank)
-    llm = LLM(str(checkpoint), tensor_parallel_size=2, **ENGINE)
+    llm = engine(model=str(checkpoint), tensor_parallel_size=2, **ENGINE)
     error = call_with_timeout(llm.generate, PROMPTS, PARAMS, False, timeout=60)
     assert isinstance(error, WorkerError) and "exited with code -9" in str(error)
-    llm.close()
+    call_with_timeout(llm.close, timeout=30)
     assert not child_pids()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from checkpoints import FAMILY_CHECKPOINTS, MISTRAL_WINDOW, copy_checkpoint, edit_config
-from nanovllm.utils.context import reset_context, set_context
+from models.conftest import engine_logits
 
 # Relative to the largest logit: fp32 kernels and transformers sum in different orders.
 LOGIT_TOLERANCE = 1e-5
@@ -33,28 +33,6 @@ def test_greedy_tokens_match_transformers(name, family_checkpoint, family_refere
     assert [o["token_ids"] for o in outs] == [ref(p, 16) for p in prompts]
     stats = llm.memory_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_blocks"] > 0
-
-
-@torch.inference_mode()
-def engine_logits(llm, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits of every position of `ids`, computed chunk by chunk as the engine's steps do: each
-    chunk's keys and values go to the paged cache (blocks 0, 1, ... of an idle engine), where
-    the later chunks read them."""
-    runner = llm.model_runner
-    blocks = torch.arange(-(-len(ids) // runner.block_size), dtype=torch.int32)[None]
-    logits, start = [], 0
-    for size in chunks:
-        end = start + size
-        set_context(cu_seqlens_q=torch.tensor([0, size], dtype=torch.int32),
-                    seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=blocks,
-                    slot_mapping=torch.arange(start, end), max_seqlen_q=size)
-        try:
-            hidden = runner.model(torch.tensor(ids[start:end]), torch.arange(start, end))
-        finally:
-            reset_context()
-        logits.append(runner.model.compute_logits(hidden))
-        start = end
-    return torch.cat(logits)
 
 
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -1,11 +1,12 @@
 """The families on a GPU with the Triton kernels and CUDA graphs: greedy tokens equal
-transformers' in fp32, and in bf16 agree with fp32 transformers on the same bf16-rounded
-weights up to the first token where the two candidates' logits nearly tie (or differ no more
-than transformers' own bf16 run does)."""
+transformers' in fp32. In bf16, measured against fp32 transformers on the same bf16-rounded
+weights, the engine's logits stray no further than transformers' own bf16 logits do, and each
+greedy token it picks with CUDA graphs is within that bf16 error of the best one."""
 import pytest
 import torch
 
 from checkpoints import FAMILY_CHECKPOINTS, build_checkpoint
+from models.conftest import engine_logits
 from nanovllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -13,7 +14,10 @@ MAX_TOKENS = 24
 # A fixed cache: sizing from free memory would count the other test processes' allocations.
 ENGINE = dict(device="cuda", max_model_len=512, kvcache_block_size=16, max_num_batched_tokens=128,
               num_kvcache_blocks=256)
-BF16_TIE = 2e-2  # relative logit gap below which bf16 rounding may pick either token
+# Engine bf16 logit error (relative to the largest logit) allowed per unit of transformers' own
+# bf16 error on the same sequence: both round to bf16 after every op, in different places.
+BF16_ERROR_RATIO = 2.0
+BF16_ERROR_FLOOR = 2e-2
 NAMES = [*FAMILY_CHECKPOINTS, "gemma_head_dim_256"]
 
 
@@ -41,7 +45,7 @@ def engine_tokens(path, prompts, dtype):
     llm = LLM(str(path), dtype=dtype, **ENGINE)
     assert any(shape[2] == 1 for shape in llm.model_runner.graphs), "no decode graphs were captured"
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return llm, [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def hf_model(path, weights_dtype=torch.float32):
@@ -62,34 +66,32 @@ def hf_greedy(model, prompt):
     return ids[len(prompt):]
 
 
-@torch.inference_mode()
-def gap_at_first_difference(model, prompt, tokens) -> float:
-    """Relative gap between fp32 transformers' logit for its own choice and for the engine's, at
-    the first position (teacher-forced on the engine's tokens) where the two differ; 0 if none."""
-    logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float()
-    for row, got in zip(logits, tokens):
-        want = int(row.argmax())
-        if want != got:
-            return ((row[want] - row[got]) / row.abs().max()).item()
-    return 0.0
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_fp32_with_cuda_graphs_matches_transformers(name, checkpoint, prompts):
     path = checkpoint(name)
     model = hf_model(path)
-    assert engine_tokens(path, prompts, "float32") == [hf_greedy(model, p) for p in prompts]
+    assert engine_tokens(path, prompts, "float32")[1] == [hf_greedy(model, p) for p in prompts]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_bf16_with_cuda_graphs_agrees_up_to_near_ties(name, checkpoint, prompts):
-    """The engine in bf16 strays from fp32 no further than BF16_TIE, or than transformers' own
-    bf16 run on the same prompt does: a tiny Gemma's embeddings scaled by sqrt(hidden_size) make
-    bf16 rounding count more (transformers' own gap reaches 5.4e-2 on the `gemma` checkpoint)."""
+@torch.inference_mode()
+def test_bf16_strays_from_fp32_no_further_than_transformers_bf16(name, checkpoint, prompts):
+    """Teacher-forced on the engine's own greedy tokens. A tiny Gemma's embeddings, scaled by
+    sqrt(hidden_size), make bf16 rounding count: transformers' own error reaches ~0.14 of the
+    largest logit on its 300-token prompt, against ~0.04 for Llama."""
     from transformers import AutoModelForCausalLM
     path = checkpoint(name)
-    model = hf_model(path, torch.bfloat16)
+    reference_model = hf_model(path, torch.bfloat16)
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    for prompt, tokens in zip(prompts, engine_tokens(path, prompts, "bfloat16")):
-        bound = max(BF16_TIE, gap_at_first_difference(model, prompt, hf_greedy(hf_bf16, prompt)))
-        assert gap_at_first_difference(model, prompt, tokens) <= bound
+    llm, outputs = engine_tokens(path, prompts, "bfloat16")
+    for prompt, tokens in zip(prompts, outputs):
+        ids = prompt + tokens
+        reference = reference_model(torch.tensor([ids], device="cuda")).logits[0].float()
+        scale = reference.abs().max()
+        hf_error = ((hf_bf16(torch.tensor([ids], device="cuda")).logits[0].float() - reference).abs().max() / scale)
+        engine_error = (engine_logits(llm, ids, [len(ids)]).float() - reference).abs().max() / scale
+        bound = max(BF16_ERROR_RATIO * hf_error.item(), BF16_ERROR_FLOOR)
+        assert engine_error.item() <= bound, f"engine bf16 error {engine_error:.3f}, transformers' {hf_error:.3f}"
+        picked = reference[len(prompt) - 1:-1]
+        regret = (picked.max(-1).values - picked.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]) / scale
+        assert regret.max().item() <= bound, f"a greedy token {regret.max():.3f} below the best"

@@ -76,22 +76,26 @@ def test_fp32_with_cuda_graphs_matches_transformers(name, checkpoint, prompts):
 @pytest.mark.parametrize("name", NAMES)
 @torch.inference_mode()
 def test_bf16_strays_from_fp32_no_further_than_transformers_bf16(name, checkpoint, prompts):
-    """Teacher-forced on the engine's own greedy tokens. A tiny Gemma's embeddings, scaled by
-    sqrt(hidden_size), make bf16 rounding count: transformers' own error reaches ~0.14 of the
-    largest logit on its 300-token prompt, against ~0.04 for Llama."""
+    """Teacher-forced on the engine's own greedy tokens; errors relative to the largest logit,
+    the largest over all prompts. One sequence's largest error is heavy-tailed: on a tiny Gemma
+    of head_dim 256 (H100) it ranged 0.02-0.39 over prompts, for transformers' bf16 and the
+    engine's alike, and a single prompt's ratio between the two ranged 0.7-2.5."""
     from transformers import AutoModelForCausalLM
     path = checkpoint(name)
     reference_model = hf_model(path, torch.bfloat16)
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     llm, outputs = engine_tokens(path, prompts, "bfloat16")
+    engine_errors, hf_errors, regrets = [], [], []
     for prompt, tokens in zip(prompts, outputs):
         ids = prompt + tokens
         reference = reference_model(torch.tensor([ids], device="cuda")).logits[0].float()
         scale = reference.abs().max()
-        hf_error = ((hf_bf16(torch.tensor([ids], device="cuda")).logits[0].float() - reference).abs().max() / scale)
-        engine_error = (engine_logits(llm, ids, [len(ids)]).float() - reference).abs().max() / scale
-        bound = max(BF16_ERROR_RATIO * hf_error.item(), BF16_ERROR_FLOOR)
-        assert engine_error.item() <= bound, f"engine bf16 error {engine_error:.3f}, transformers' {hf_error:.3f}"
+        hf_errors.append(((hf_bf16(torch.tensor([ids], device="cuda")).logits[0].float() - reference).abs().max()
+                          / scale).item())
+        engine_errors.append(((engine_logits(llm, ids, [len(ids)]).float() - reference).abs().max() / scale).item())
         picked = reference[len(prompt) - 1:-1]
-        regret = (picked.max(-1).values - picked.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]) / scale
-        assert regret.max().item() <= bound, f"a greedy token {regret.max():.3f} below the best"
+        chosen = picked.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        regrets.append(((picked.max(-1).values - chosen) / scale).max().item())
+    bound = max(BF16_ERROR_RATIO * max(hf_errors), BF16_ERROR_FLOOR)
+    assert max(engine_errors) <= bound, f"engine bf16 errors {engine_errors}, transformers' {hf_errors}"
+    assert max(regrets) <= bound, f"greedy tokens this far below the best: {regrets}"

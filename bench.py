@@ -9,6 +9,7 @@ on 2 CPU cores). --profile writes a torch.profiler trace of a few prefill and de
 (docs/distributed.md)."""
 import argparse
 import cProfile
+import gc
 import glob
 import json
 import os
@@ -171,14 +172,17 @@ def time_to_first_token_ms(llm, prompt_len: int, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def save_hf_checkpoint(config_dir: str, dtype: torch.dtype) -> str:
-    """A real checkpoint with random weights, so both engines run the same weights."""
+def save_hf_checkpoint(config_dir: str, dtype: torch.dtype, device: str) -> str:
+    """A real checkpoint with random weights, so both engines run the same weights. Drawn on
+    the GPU where there is one: a 7B model's random init takes minutes on the CPU."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(config_dir)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     path = tempfile.mkdtemp(prefix="nanovllm_bench_")
     model.save_pretrained(path)
+    del model
     return path
 
 
@@ -221,7 +225,7 @@ def main():
     prompts, params = make_workload(args)
     model_dir, load_format, checkpoint = args.model, "dummy" if dummy else "auto", None
     if args.compare_hf and dummy:
-        checkpoint = model_dir = save_hf_checkpoint(args.model, DTYPES[args.dtype])
+        checkpoint = model_dir = save_hf_checkpoint(args.model, DTYPES[args.dtype], args.device)
         load_format = "auto"
     max_len = args.max_input_len + args.max_output_len
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
@@ -248,6 +252,9 @@ def main():
         device, dtype = llm.config.torch_device, llm.config.torch_dtype
         llm.close()  # a tensor-parallel engine frees its other GPUs too
         del llm
+        gc.collect()  # the engine's weights and KV cache, before transformers loads its copy
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         hf = run_hf(model_dir, prompts, params, device, dtype)
         hf_rate = hf["tokens"] / hf["seconds"]
         result["hf"] = {**hf, "output_tok_per_s": round(hf_rate, 1)}

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from parallel_testing import ENGINE, TIMEOUT_S, alive, call_with_timeout, child_pids
 from nanovllm import LLM, SamplingParams
@@ -124,3 +125,28 @@ def test_ranks_end_with_the_engines_process(checkpoint, end):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in pids)
+
+
+def test_abort_that_does_not_return_is_left_to_its_thread(monkeypatch):
+    """NCCL's abort after a lost rank may never return (its cleanup waits for the lost peer):
+    destroy(abort=True) waits ABORT_WAIT_S for it, and a new group in this process is refused,
+    with a clear error, until it has returned."""
+    import threading
+
+    import torch.distributed as dist
+
+    from nanovllm import distributed
+    release = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda: release.wait(TIMEOUT_S))
+    monkeypatch.setattr(distributed, "ABORT_WAIT_S", 0.2)
+    started = time.monotonic()
+    distributed.destroy(abort=True)
+    assert 0.2 <= time.monotonic() - started < 5 and distributed.rank_and_size() == (0, 1)
+    with pytest.raises(RuntimeError, match="start another tensor-parallel engine in a new process"):
+        distributed.init(0, 2, torch.device("cpu"))
+    distributed.destroy(abort=True)  # a second teardown does not abort again
+    release.set()
+    distributed._abandoned.join(TIMEOUT_S)
+    assert not distributed._abort_pending()

@@ -65,7 +65,7 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+                raise ValueError(f"logprobs: must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 # Python's bool is an Integral and a Real, refused as both; numpy's bool is neither.

@@ -12,9 +12,9 @@ MIXED_ENGINE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4
 
 @torch.inference_mode()
 def reference_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
-    """[len(output), V] float64 log_softmax(logits / T) (T = 1 when greedy) at each output position."""
-    logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].double()
-    return (logits / (temperature or 1.0)).log_softmax(dim=-1)
+    """[len(output), V] float64 log_softmax(logits / T) (T = 1 when greedy) at each output position, on the CPU."""
+    logits = model(torch.tensor([prompt + output], device=model.device)).logits[0, len(prompt) - 1:-1].double()
+    return (logits / (temperature or 1.0)).log_softmax(dim=-1).cpu()
 
 
 def assert_logprobs_match(entries, prompt, output, num, temperature, model, atol=ATOL[torch.float32]):

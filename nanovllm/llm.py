@@ -40,7 +40,8 @@ class LLM(LLMEngine):
 
     Online: add_request() queues a prompt, step() runs the engine and returns an output per
     request that received a token (request_id, token_ids so far, new_token_id, finished,
-    finish_reason, text once finished). Each step() queues the next step on the device before
+    finish_reason, text once finished, and logprobs: the new token's {token id:
+    log-probability} when its SamplingParams ask, else None). Each step() queues the next step on the device before
     reading the tokens of the one before, so one step is in flight between calls; abort() works
     between steps (a token still in flight for the aborted request is dropped). Online requests
     keep running inside generate(); the outputs they produce there come from the next step(),

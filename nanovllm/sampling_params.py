@@ -7,6 +7,7 @@ import numpy as np
 # A temperature below this samples greedily: logits / T overflows float32 for T below ~1e-38,
 # and long before that a draw is all but certain to be the argmax.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # most likely tokens a request may ask log-probabilities of, OpenAI's bound
 
 
 @dataclass(slots=True)
@@ -20,7 +21,10 @@ class SamplingParams:
     likely token's; 0 keeps all. max_tokens: at most this many output tokens (>= 1); output
     also ends when prompt + output reach the engine's max_model_len. ignore_eos: keep going
     past EOS. stop_token_ids: token ids (>= 0) that end the output. seed: any integer; with a
-    seed, a request's tokens do not depend on the run or on its batch.
+    seed, a request's tokens do not depend on the run or on its batch. logprobs: None asks
+    for none; N in [0, 20] asks, for each output token, for the log-probability of the sampled
+    token and of the N most likely tokens, under log_softmax(logits / T) with T = 1 for greedy
+    rows (the distribution before top-k, top-p and min-p).
 
     Every field is checked on construction: a wrong type or range raises ValueError naming
     it. Integer fields take Python or numpy integers, float fields also take integers; bools
@@ -33,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         # Comparisons written so that NaN fails them.
@@ -57,6 +62,10 @@ class SamplingParams:
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs: must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 # Python's bool is an Integral and a Real, refused as both; numpy's bool is neither.

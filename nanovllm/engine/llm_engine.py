@@ -167,7 +167,12 @@ class LLMEngine:
         batch, sampled = self._in_flight[0]
         tokens = sampled.tolist()  # the wait: interrupted here, the step stays queued
         self._in_flight.popleft()
+        logprobs = sampled.logprobs(tokens)
+        if logprobs is not None:
+            logprobs = {batch.seqs[row].request_id: entry for row, entry in zip(batch.sample_rows, logprobs)}
         for seq, position in self.scheduler.postprocess(batch, tokens):
+            if seq.logprobs is not None:  # a token is received once: preemption neither repeats nor drops it
+                seq.logprobs.append(logprobs[seq.request_id])
             if seq.request_id not in own:
                 self._undelivered.append(self._output(seq, position))
             elif seq.is_finished:
@@ -180,11 +185,13 @@ class LLMEngine:
         return sum(batch.num_new_tokens) - decode, decode
 
     def _output(self, seq: Sequence, position: int) -> dict:
-        """The request's state once its token at `position` is in."""
+        """The request's state once its token at `position` is in; "logprobs" is that token's
+        {token id: log-probability}, None when the request does not ask."""
         token_ids, finished = seq.token_ids[seq.num_prompt_tokens:position + 1], seq.is_finished
         return {"request_id": seq.request_id, "token_ids": token_ids, "new_token_id": seq.token_ids[position],
                 "finished": finished, "finish_reason": seq.finish_reason,
-                "text": self.decode(token_ids) if finished else ""}
+                "text": self.decode(token_ids) if finished else "",
+                "logprobs": None if seq.logprobs is None else seq.logprobs[position - seq.num_prompt_tokens]}
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -205,7 +212,8 @@ class LLMEngine:
             for request_id in own - outputs.keys():  # a failed call leaves nothing queued behind
                 self.abort(request_id)
             raise
-        return [{key: outputs[seq.request_id][key] for key in ("text", "token_ids", "finish_reason")} for seq in seqs]
+        return [{**{key: outputs[seq.request_id][key] for key in ("text", "token_ids", "finish_reason")},
+                 "logprobs": seq.logprobs} for seq in seqs]
 
     def _run_until_done(self, outputs: dict, own: set, use_tqdm: bool) -> None:
         """Steps until every request in `own` has finished; online requests run alongside and

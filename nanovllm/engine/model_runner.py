@@ -23,21 +23,23 @@ from nanovllm.engine.worker import Workers, start_ranks
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import MODEL_REGISTRY
-from nanovllm.sampling_params import GREEDY_TEMPERATURE
+from nanovllm.sampling_params import GREEDY_TEMPERATURE, MAX_LOGPROBS
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 
 class SampledTokens:
-    """Token ids sampled on the device, on their way to the host: one non-blocking copy into
-    pinned memory, waited for only when read (through `wait`, given an event, when set)."""
+    """Token ids sampled on the device, on their way to the host with the log-probabilities
+    rows asked for: one non-blocking copy of each into pinned memory, waited for only when read
+    (through `wait`, given an event, when set). `logprobs`: None when no row asked, else the
+    float32 tensor _pack_logprobs made; `num_logprobs`: each row's SamplingParams.logprobs."""
 
-    def __init__(self, tokens: torch.Tensor | None, wait=None):
-        self.tokens, self._wait = tokens, wait
+    def __init__(self, tokens: torch.Tensor | None, wait=None, logprobs: torch.Tensor | None = None,
+                 num_logprobs: list[int | None] | None = None):
+        self.tokens, self.logprobs_packed, self.num_logprobs, self._wait = tokens, logprobs, num_logprobs, wait
         self._host = self._copied = None
         if tokens is not None and tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host = [_pinned_copy(t) for t in (tokens, logprobs) if t is not None]
             self._copied = torch.cuda.Event()
             self._copied.record()
 
@@ -49,7 +51,46 @@ class SampledTokens:
         if self._wait is not None:
             self._wait(self._copied)
         self._copied.synchronize()
-        return self._host.tolist()
+        return self._host[0].tolist()
+
+    def logprobs(self, tokens: list[int]) -> list[dict[int, float] | None] | None:
+        """After tolist(), given its tokens: for each row, {token id: log-probability} of the
+        sampled token and the row's N most likely (N + 1 entries, or N when the sampled token is
+        one of them; the sampled token's value is always the sampler's), or None for a row that
+        did not ask; None when no row asked."""
+        if self.logprobs_packed is None:
+            return None
+        packed = self.logprobs_packed if self._host is None else self._host[1]
+        asked = self.num_logprobs
+        top_rows = [row for row, n in enumerate(asked) if n]
+        width = max((asked[row] for row in top_rows), default=0)
+        chosen, values, ids = packed.split([len(tokens), len(top_rows) * width, len(top_rows) * width])
+        top = dict(zip(top_rows, zip(ids.view(torch.int32).view(-1, width or 1).tolist(),
+                                     values.view(-1, width or 1).tolist())))
+        entries = []
+        for row, (token, logprob, n) in enumerate(zip(tokens, chosen.tolist(), asked)):
+            entry = None if n is None else {token: logprob}
+            if n:
+                row_ids, row_values = top[row]
+                for token_id, value in zip(row_ids[:n], row_values[:n]):
+                    entry.setdefault(token_id, value)
+            entries.append(entry)
+        return entries
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _pack_logprobs(chosen: torch.Tensor, top) -> torch.Tensor:
+    """One float32 tensor, so that one copy takes the log-probabilities to the host: the chosen
+    tokens' [B], then the top rows' values [R * n] and ids [R * n] (int32 bits)."""
+    if top is None:
+        return chosen
+    values, ids = top
+    return torch.cat([chosen, values.flatten(), ids.to(torch.int32).view(torch.float32).flatten()])
 
 
 class ModelRunner:
@@ -93,6 +134,7 @@ class ModelRunner:
         self.num_kvcache_blocks = self._allocate_kv_cache()
         # The last launched step's samples (on every rank), and each sampling request's row in them.
         self._last_tokens: torch.Tensor | None = None
+        self._last_logprobs: torch.Tensor | None = None  # rank 0's, packed (_pack_logprobs), when rows asked
         self._last_sample_rows: dict[int, int] = {}
         if self.device.type == "cuda" and not self.config.enforce_eager and kernels.graph_capturable(self.device):
             self._capture_graphs()
@@ -192,12 +234,15 @@ class ModelRunner:
                     block_tables=tables, max_seqlen_q=seq_len, slot_mapping=slots[:, :seq_len].flatten().long())
         hidden = self.model(tokens, positions)
         reset_context()
-        rows = self.config.max_num_seqs  # a full decode batch samples this many rows, with filters
+        # A full decode batch samples this many rows, with filters and every row asking for the
+        # most log-probabilities: top_logprobs' log_softmax over the vocabulary is sampling's peak.
+        rows = self.config.max_num_seqs
         logits = self.model.compute_logits(hidden[-1:].expand(rows, -1))
         if logits is not None:  # None on ranks other than 0, which do not sample
             ones = torch.ones(rows, device=device)
             self.sampler(logits, ones, torch.zeros(rows, dtype=torch.long, device=device),
-                         torch.full((rows,), 50, device=device), ones * 0.9)
+                         torch.full((rows,), 50, device=device), ones * 0.9, logprobs=True,
+                         top_rows=torch.arange(rows, device=device), num_top=MAX_LOGPROBS)
 
     def _min_across_ranks(self, value: int) -> int:
         value = distributed.all_reduce(torch.tensor([value], device=self.device), op=torch.distributed.ReduceOp.MIN)
@@ -268,19 +313,23 @@ class ModelRunner:
         else:
             self.run_step(step, seqs)
         self._last_sample_rows = {seq.request_id: i for i, seq in enumerate(seqs)}
-        return SampledTokens(self._last_tokens, self.workers.wait_event if self.workers else None)
+        num_logprobs = None if self._last_logprobs is None else [seq.params.logprobs for seq in seqs]
+        return SampledTokens(self._last_tokens, self.workers.wait_event if self.workers else None,
+                             self._last_logprobs, num_logprobs)
 
     @torch.inference_mode()
     def run_step(self, step: dict, seqs=None) -> None:
         """The forward pass of a prepared step and the tokens of its sample rows (`seqs`, on rank
-        0): sampled on rank 0, broadcast from it to the other ranks."""
+        0): sampled on rank 0, broadcast from it to the other ranks. Log-probabilities stay on
+        rank 0."""
         shape = self._graph_shape_for(step) if self.graphs else None
         hidden = self._replay_graph(step, shape) if shape else self._run_eager(step)
         sample_rows = step["sample_rows"]
+        self._last_logprobs = None
         if not sample_rows:
             tokens = None
         elif self.rank == 0:
-            tokens = self._sample(hidden, step, sample_rows, seqs)
+            tokens, self._last_logprobs = self._sample(hidden, step, sample_rows, seqs)
         else:
             self._logits(hidden, step, sample_rows)  # this rank's vocabulary rows, gathered on rank 0
             tokens = torch.empty(len(sample_rows), dtype=torch.long, device=self.device)
@@ -294,9 +343,17 @@ class ModelRunner:
             hidden = hidden[self._to_device(last_rows, torch.long)]
         return self.model.compute_logits(hidden)
 
-    def _sample(self, hidden: torch.Tensor, step, sample_rows: list[int], seqs) -> torch.Tensor:
+    def _sample(self, hidden: torch.Tensor, step, sample_rows: list[int], seqs):
+        """-> (token ids [B], packed log-probabilities or None when no row asks)."""
         logits = self._logits(hidden, step, sample_rows)
-        return self.sampler(logits, *self._sampling_tensors(seqs))
+        tensors = self._sampling_tensors(seqs)
+        if all(s.params.logprobs is None for s in seqs):
+            return self.sampler(logits, *tensors)[0], None
+        top_rows = [row for row, s in enumerate(seqs) if s.params.logprobs]
+        num_top = max((seqs[row].params.logprobs for row in top_rows), default=0)
+        tokens, (chosen, top) = self.sampler(logits, *tensors, logprobs=True, num_top=num_top,
+                                             top_rows=self._to_device(top_rows, torch.long) if top_rows else None)
+        return tokens, _pack_logprobs(chosen, top)
 
     def _fill_deferred(self, input_ids: torch.Tensor, deferred: torch.Tensor) -> None:
         """Writes the last step's samples, still on the device, into the input rows that wait

@@ -15,7 +15,8 @@ class SequenceStatus(Enum):
 
 class Sequence:
     """One request: its tokens, how many of them have keys and values in the cache
-    (`num_computed_tokens`), and the cache blocks holding them."""
+    (`num_computed_tokens`), and the cache blocks holding them. `logprobs`, when its params ask:
+    one {token id: log-probability} a received output token, in token order."""
 
     def __init__(self, request_id: int, token_ids: list[int], params: SamplingParams):
         self.request_id = request_id
@@ -26,6 +27,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.logprobs: list[dict[int, float]] | None = None if params.logprobs is None else []
 
     def __len__(self) -> int:
         return len(self.token_ids)

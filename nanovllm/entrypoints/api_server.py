@@ -5,6 +5,7 @@ choice), wait on an asyncio.Event that the engine's reader task sets as tokens a
 the tokens into text (detokenizer.py). A client that goes away aborts its engine requests."""
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 import signal
@@ -24,10 +25,11 @@ from nanovllm.entrypoints.detokenizer import TextStream
 from nanovllm.entrypoints.engine_loop import AsyncEngine, EngineDeadError, RequestState
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                           ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
-                                           CompletionChoice, CompletionRequest, CompletionResponse, Delta,
-                                           DetokenizeRequest, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-                                           SamplingRequest, TokenizeRequest, Usage, new_id)
+                                           ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                                           ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                           CompletionResponse, Delta, DetokenizeRequest, ErrorInfo, ErrorResponse,
+                                           ModelCard, ModelList, SamplingRequest, TokenizeRequest, TokenLogprob, Usage,
+                                           new_id)
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
@@ -75,21 +77,25 @@ class Choice:
     def __init__(self, index: int, state: RequestState, text: TextStream):
         self.index, self.state, self.text = index, state, text
         self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []  # one a token, when the request asked
+        self.text_offset = 0  # summed length of the token strings given log-probabilities so far (completions)
         self.finish_reason: str | None = None
 
-    def advance(self) -> tuple[str, list[int]]:
-        """Takes the tokens that arrived: the text delta and the new token ids. Sets
-        finish_reason once the output is complete (engine finish or stop string)."""
+    def advance(self) -> tuple[str, list[int], list[dict[int, float]]]:
+        """Takes the tokens that arrived: the text delta, the new token ids and their
+        log-probabilities. Sets finish_reason once the output is complete (engine finish or
+        stop string)."""
         state = self.state
-        token_ids = state.take()
+        token_ids, logprobs = state.take()
         if state.error is not None:
             raise state.error
         self.token_ids += token_ids
+        self.logprobs += logprobs
         engine_reason = state.finish_reason
         delta, stopped = self.text.add(token_ids, final=engine_reason is not None, stop_token=engine_reason == "stop")
         if stopped or engine_reason is not None:
             self.finish_reason = "stop" if stopped else engine_reason
-        return delta, token_ids
+        return delta, token_ids, logprobs
 
 
 class OpenAIServer:
@@ -181,7 +187,8 @@ class OpenAIServer:
         if room < 1:
             raise APIError(400, f"{prompt_param}: {prompt_len} tokens leave no room for output in "
                                 f"max_model_len={max_model_len}", param=prompt_param, code="context_length_exceeded")
-        source, max_tokens = request.requested_max_tokens()
+        max_tokens_field, max_tokens = request.requested_max_tokens()
+        logprobs_field, logprobs = request.requested_logprobs()
         if max_tokens is None:
             max_tokens = room if chat else DEFAULT_COMPLETION_MAX_TOKENS
         defaults = self.engine.info["sampling_defaults"]
@@ -189,13 +196,15 @@ class OpenAIServer:
                     for name in SAMPLING_DEFAULT_FIELDS}
         try:
             return SamplingParams(max_tokens=min(max_tokens, room), ignore_eos=request.ignore_eos,
-                                  stop_token_ids=request.stop_token_ids,
+                                  stop_token_ids=request.stop_token_ids, logprobs=logprobs,
                                   seed=None if request.seed is None else request.seed + seed_offset,
                                   **{k: v for k, v in sampling.items() if v is not None})
         except ValueError as exc:
             error = bad_request(exc)
-            if error.param == "max_tokens":  # the request may have named it max_completion_tokens
-                error.param, error.message = source, error.message.replace("max_tokens", source, 1)
+            # the request's name for the field: max_completion_tokens, top_logprobs on chat
+            field = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(error.param)
+            if field is not None:
+                error.param, error.message = field, error.message.replace(error.param, field, 1)
             raise error from None
 
     def check_request(self, request: SamplingRequest) -> list[str]:
@@ -262,8 +271,8 @@ class OpenAIServer:
             self.metrics.finished(reason, now - c.state.arrival)
 
     async def generate(self, choices: list[Choice], event: asyncio.Event):
-        """Yields (choice, delta, new token ids) as output arrives, until every choice is done;
-        a choice's last yield has its finish_reason set."""
+        """Yields (choice, delta, new token ids, their log-probabilities) as output arrives, until
+        every choice is done; a choice's last yield has its finish_reason set."""
         running = list(choices)
         while running:
             await event.wait()
@@ -271,11 +280,11 @@ class OpenAIServer:
             for c in list(running):
                 if not c.state.new_token_ids and not c.state.done:
                     continue
-                delta, token_ids = c.advance()
+                delta, token_ids, logprobs = c.advance()
                 if c.finish_reason is not None:
                     running.remove(c)
                     self.engine.abort([c.state])  # a stop string ended it: the engine may still run it
-                yield c, delta, token_ids
+                yield c, delta, token_ids, logprobs
 
     async def collect(self, choices: list[Choice], event: asyncio.Event) -> None:
         async for _ in self.generate(choices, event):
@@ -286,6 +295,42 @@ class OpenAIServer:
         completion_tokens = sum(c.state.num_tokens for c in choices)
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
+
+    # --- log-probabilities ------------------------------------------------------------------
+    def token_string(self, token_id: int) -> str:
+        """A token as log-probabilities name it: the tokenizer's decode of it alone (a piece of
+        a multi-byte character decodes to U+FFFD), or "token_id:N" without a tokenizer."""
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def completion_logprobs(self, c: Choice, token_ids: list[int], entries: list[dict]) -> CompletionLogprobs:
+        """OpenAI's legacy format; each token's top_logprobs holds the sampled token and the
+        `logprobs` most likely. Tokens whose strings are equal (byte pieces that all decode to
+        U+FFFD) share a key, which keeps the sampled token's value, else the most likely's. Text
+        offsets continue from the choice's earlier chunks."""
+        tokens = [self.token_string(t) for t in token_ids]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=c.text_offset))
+        c.text_offset = offsets.pop()
+        top_logprobs = []
+        for entry in entries:  # the sampled token first, then the others most likely first
+            top = {}
+            for token_id, logprob in entry.items():
+                top.setdefault(self.token_string(token_id), logprob)
+            top_logprobs.append(top)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[e[t] for t, e in zip(token_ids, entries)],
+                                  top_logprobs=top_logprobs, text_offset=offsets)
+
+    def chat_logprobs(self, token_ids: list[int], entries: list[dict], num_top: int) -> ChatLogprobs:
+        """Chat's format: each token with its `num_top` most likely tokens, most likely first."""
+        def token(token_id: int, logprob: float) -> dict:
+            text = self.token_string(token_id)
+            return dict(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        def most_likely(entry: dict) -> list[TokenLogprob]:
+            ranked = sorted(entry.items(), key=lambda item: item[1], reverse=True)
+            return [TokenLogprob(**token(i, v)) for i, v in ranked[:num_top]]
+
+        return ChatLogprobs(content=[ChatTokenLogprob(**token(t, e[t]), top_logprobs=most_likely(e))
+                                     for t, e in zip(token_ids, entries)])
 
     # --- endpoints --------------------------------------------------------------------------
     async def completions(self, request: CompletionRequest, raw: Request):
@@ -303,32 +348,40 @@ class OpenAIServer:
         choices, event = await self.start_choices(request, prompts, chat, raw)
         response_id, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         with_ids = request.return_token_ids
+        num_logprobs = request.requested_logprobs()[1]
+        with_logprobs = num_logprobs is not None
 
         def chunk(choices_out: list, usage: Usage | None = None):
             return (ChatCompletionChunk if chat else CompletionResponse)(
                 id=response_id, created=created, model=self.model_name, choices=choices_out, usage=usage)
 
-        def choice_out(c: Choice, text: str, token_ids: list[int], streamed: bool):
+        def choice_out(c: Choice, text: str, token_ids: list[int], entries: list[dict], streamed: bool):
+            logprobs = None
+            if with_logprobs:
+                logprobs = (self.chat_logprobs(token_ids, entries, num_logprobs) if chat
+                            else self.completion_logprobs(c, token_ids, entries))
             token_ids = token_ids if with_ids else None
             if not chat:
-                return CompletionChoice(index=c.index, text=text, finish_reason=c.finish_reason, token_ids=token_ids)
+                return CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                        token_ids=token_ids)
             if streamed:
-                return ChatChunkChoice(index=c.index, delta=Delta(content=text or None), finish_reason=c.finish_reason,
-                                       token_ids=token_ids)
-            return ChatChoice(index=c.index, message=AssistantMessage(content=text), finish_reason=c.finish_reason,
-                              token_ids=token_ids)
+                return ChatChunkChoice(index=c.index, delta=Delta(content=text or None), logprobs=logprobs,
+                                       finish_reason=c.finish_reason, token_ids=token_ids)
+            return ChatChoice(index=c.index, message=AssistantMessage(content=text), logprobs=logprobs,
+                              finish_reason=c.finish_reason, token_ids=token_ids)
 
         if request.stream:
             async def deltas():
                 for c in choices if chat else ():  # the first delta of each choice carries the role
                     yield sse(chunk([ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))]))
-                async for c, delta, token_ids in self.generate(choices, event):
-                    if delta or c.finish_reason or (with_ids and token_ids):
-                        yield sse(chunk([choice_out(c, delta, token_ids, streamed=True)]))
+                async for c, delta, token_ids, logprobs in self.generate(choices, event):
+                    # every token's ids and log-probabilities are sent, also while its text is held back
+                    if delta or c.finish_reason or ((with_ids or with_logprobs) and token_ids):
+                        yield sse(chunk([choice_out(c, delta, token_ids, logprobs, streamed=True)]))
 
             return self.stream(deltas(), choices, request, lambda: chunk([], self.usage(prompts, choices)))
         await self.run_to_end(choices, event, raw)
-        choices_out = [choice_out(c, c.text.text, c.token_ids, streamed=False) for c in choices]
+        choices_out = [choice_out(c, c.text.text, c.token_ids, c.logprobs, streamed=False) for c in choices]
         usage = self.usage(prompts, choices)
         if chat:
             return ChatCompletionResponse(id=response_id, created=created, model=self.model_name,

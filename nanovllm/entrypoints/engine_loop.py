@@ -6,9 +6,11 @@ stalling the GPU.
 
 Server -> engine: ("add", request_id, prompt_ids, params), ("abort", [request_ids]), ("shutdown",).
 Engine -> server: ("ready", info) or ("failed", error) once, then after every step (or batch
-of adds and aborts) ("step", outputs, accepted, rejected, stats), and ("fatal", error) if a
-step raises. Outputs are (request_id, token_id, finish_reason or None) tuples: new requests
-and aborts are applied between steps, and each step's tokens travel in one message."""
+of adds and aborts) ("step", outputs, logprobs, accepted, rejected, stats), and ("fatal", error)
+if a step raises. Outputs are (request_id, token_id, finish_reason or None) tuples: new requests
+and aborts are applied between steps, and each step's tokens travel in one message. `logprobs`
+holds (request_id, {token id: log-probability}) for the outputs of requests that asked, in
+output order, and is empty otherwise."""
 import asyncio
 import atexit
 import itertools
@@ -88,8 +90,8 @@ class EngineLoop:
                 if message[0] == "shutdown":
                     return
                 self._apply(message, accepted, rejected)
-            outputs = [] if self.engine.is_finished() else self._step()
-            self.sock.sendall(_frame(("step", outputs, accepted, rejected, self._stats())))
+            outputs, logprobs = ([], []) if self.engine.is_finished() else self._step()
+            self.sock.sendall(_frame(("step", outputs, logprobs, accepted, rejected, self._stats())))
 
     def _apply(self, message: tuple, accepted: list, rejected: list) -> None:
         if message[0] == "add":
@@ -108,8 +110,8 @@ class EngineLoop:
                     del self.request_ids[engine_id]
                     self.engine.abort(engine_id)
 
-    def _step(self) -> list[tuple[int, int, str | None]]:
-        outputs = []
+    def _step(self) -> tuple[list[tuple[int, int, str | None]], list[tuple[int, dict]]]:
+        outputs, logprobs = [], []
         for out in self.engine.step():
             request_id = self.request_ids.get(out["request_id"])
             if request_id is None:  # aborted since its step was launched
@@ -117,7 +119,9 @@ class EngineLoop:
             if out["finished"]:
                 del self.request_ids[out["request_id"]], self.engine_ids[request_id]
             outputs.append((request_id, out["new_token_id"], out["finish_reason"] if out["finished"] else None))
-        return outputs
+            if out["logprobs"] is not None:
+                logprobs.append((request_id, out["logprobs"]))
+        return outputs, logprobs
 
     def _stats(self) -> dict:
         scheduler = self.engine.scheduler
@@ -133,12 +137,13 @@ class EngineDeadError(RuntimeError):
 class RequestState:
     """One engine request as the server sees it. `event` is shared by the requests of one HTTP
     request (its choices), so a handler wakes once for whatever arrived for any of them."""
-    __slots__ = ("request_id", "event", "new_token_ids", "num_tokens", "accepted", "finish_reason", "error",
-                 "arrival", "first_token_time", "last_token_time")
+    __slots__ = ("request_id", "event", "new_token_ids", "new_logprobs", "num_tokens", "accepted", "finish_reason",
+                 "error", "arrival", "first_token_time", "last_token_time")
 
     def __init__(self, request_id: int, event: asyncio.Event):
         self.request_id, self.event = request_id, event
         self.new_token_ids: list[int] = []
+        self.new_logprobs: list[dict[int, float]] = []  # one a new token, when the request asked
         self.num_tokens = 0
         self.accepted = False
         self.finish_reason: str | None = None
@@ -150,9 +155,13 @@ class RequestState:
     def done(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def take(self) -> list[int]:
-        token_ids, self.new_token_ids = self.new_token_ids, []
-        return token_ids
+    def take(self) -> tuple[list[int], list[dict[int, float]]]:
+        """The new token ids and their log-probabilities (empty when the request did not ask)."""
+        token_ids, logprobs = self.new_token_ids, self.new_logprobs
+        self.new_token_ids = []
+        if logprobs:
+            self.new_logprobs = []
+        return token_ids, logprobs
 
 
 class AsyncEngine:
@@ -252,8 +261,11 @@ class AsyncEngine:
                 await asyncio.get_running_loop().run_in_executor(None, self.process.join, 5.0)
                 self.fail(f"the engine process exited (exit code {self.process.exitcode})")
 
-    def _on_step(self, outputs, accepted, rejected, stats) -> None:
+    def _on_step(self, outputs, logprobs, accepted, rejected, stats) -> None:
         now = time.perf_counter()
+        for request_id, entry in logprobs:  # first: a finished request's state is dropped with its token
+            if (state := self.requests.get(request_id)) is not None:
+                state.new_logprobs.append(entry)
         for request_id in accepted:
             if (state := self.requests.get(request_id)) is not None:
                 state.accepted = True

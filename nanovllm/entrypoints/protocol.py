@@ -5,7 +5,8 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class StreamOptions(BaseModel):
@@ -58,13 +59,15 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
     def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs"
         if self.echo or self.suffix:
             return "echo" if self.echo else "suffix"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
         return super().unsupported()
+
+    def requested_logprobs(self) -> tuple[str, int | None]:
+        """The field that sets SamplingParams.logprobs, and its value."""
+        return "logprobs", self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -85,9 +88,14 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict] | None = None
     response_format: dict | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info: ValidationInfo):
+        if not info.data.get("logprobs"):
+            raise PydanticCustomError("logprobs_required", "needs logprobs: true")
+        return value
+
     def unsupported(self) -> str | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs" if self.logprobs else "top_logprobs"
         if self.tools:
             return "tools"
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -98,6 +106,9 @@ class ChatCompletionRequest(SamplingRequest):
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
             return "max_completion_tokens", self.max_completion_tokens
         return super().requested_max_tokens()
+
+    def requested_logprobs(self) -> tuple[str, int | None]:
+        return "top_logprobs", (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(BaseModel):
@@ -128,10 +139,34 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy format: per token its string, its log-probability, and {string:
+    log-probability} of it and the requested most likely tokens; text_offset[i] is the summed
+    length of the strings of the choice's earlier tokens."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the UTF-8 bytes of `token`
+
+
+class ChatTokenLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = omitted_if_none()
 
@@ -153,7 +188,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = omitted_if_none()
 
@@ -175,7 +210,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = omitted_if_none()
 

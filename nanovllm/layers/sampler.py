@@ -20,9 +20,16 @@ def top_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, n: int) -> tu
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                 top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None,
-                min_ps: torch.Tensor | None = None, max_top_k: int | None = None) -> torch.Tensor:
+                min_ps: torch.Tensor | None = None, max_top_k: int | None = None, logprobs: bool = False,
+                top_rows: torch.Tensor | None = None, num_top: int = 0):
         """logits [B, V]; temperatures [B] fp32; seeds [B] int64; top_ks / top_ps / min_ps [B] or
-        None when no row uses that filter; max_top_k as kernels.sample takes it. Returns token
-        ids [B]."""
-        tokens, _ = kernels.sample(logits, temperatures, seeds, top_ks, top_ps, min_ps, max_top_k=max_top_k)
-        return tokens
+        None when no row uses that filter; max_top_k as kernels.sample takes it. Returns (token
+        ids [B], None), or with `logprobs` (token ids, (the chosen tokens' log-probabilities [B],
+        top)): top is top_logprobs of the rows `top_rows` ([R] indices) with n = num_top, or
+        None when top_rows is None."""
+        tokens, chosen = kernels.sample(logits, temperatures, seeds, top_ks, top_ps, min_ps, max_top_k=max_top_k,
+                                        logprobs=logprobs)
+        if not logprobs:
+            return tokens, None
+        top = None if top_rows is None else top_logprobs(logits[top_rows], temperatures[top_rows], num_top)
+        return tokens, (chosen, top)

@@ -32,6 +32,9 @@ BAD_REQUESTS = {
     "stop_token_ids_bare_int": (["Hi"], {"stop_token_ids": 5}, "stop_token_ids"),
     "stop_token_ids_negative": (["Hi"], {"stop_token_ids": [-1]}, "stop_token_ids"),
     "seed_string": (["Hi"], {"seed": "x"}, "seed"),
+    "logprobs_above_20": (["Hi"], {"logprobs": 21}, "logprobs"),
+    "logprobs_negative": (["Hi"], {"logprobs": -1}, "logprobs"),
+    "logprobs_bool": (["Hi"], {"logprobs": True}, "logprobs"),
 }
 
 GOOD_PROMPTS = ["The quick brown fox", "Numbers such as one, two"]

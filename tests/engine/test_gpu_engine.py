@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from checkpoints import build_checkpoint
+from test_logprobs import assert_logprobs_match
 
 from nanovllm import LLM, SamplingParams, kernels
 
@@ -118,3 +119,20 @@ def test_gemv_matches_cublas_up_to_near_ties(checkpoint, hf_model, monkeypatch, 
             logits = next_logits(hf_model, prompt + got[:i])
             gap = (logits[want[i]] - logits[got[i]]).abs() / logits.abs().max()
             assert gap < BF16_TIE, f"token {i}: {got[i]} instead of {want[i]}, relative logit gap {gap:.3g}"
+
+
+
+def test_fp32_logprobs_match_transformers(checkpoint, hf_model):
+    """Through CUDA graphs, the Triton sampler and the pinned copy: greedy, seeded and filtered
+    rows asking for 0 or 5, beside a row that does not ask. fp32 on the GPU: within 1e-4 of a
+    float64 log_softmax of transformers' fp32 logits (teacher-forced on the engine's tokens)."""
+    llm = LLM(str(checkpoint), **{**ENGINE, "dtype": "float32"})
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5),
+              SamplingParams(temperature=1.0, top_k=20, seed=4, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert outs[3]["logprobs"] is None
+    for prompt, out, sp in zip(PROMPTS, outs[:3], params):
+        assert_logprobs_match(out["logprobs"], prompt, out["token_ids"], sp.logprobs, sp.temperature, hf_model,
+                              atol=1e-4)

@@ -64,7 +64,8 @@ def test_missing_and_wrongly_typed_fields(server, path, body, param):
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.5), ("temperature", float("inf")), ("top_p", 0), ("top_p", 1.5), ("top_k", 0),
     ("top_k", -2), ("min_p", -0.1), ("min_p", 1.5), ("max_tokens", 0), ("max_tokens", -3), ("n", 0),
-    ("n", 10_000), ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", 2), ("echo", True),
+    ("n", 10_000), ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", -1),
+    ("echo", True),
     ("presence_penalty", 0.5), ("best_of", 3),
 ])
 def test_out_of_range_sampling_values(server, field, value):
@@ -75,16 +76,20 @@ def test_out_of_range_sampling_values(server, field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("max_completion_tokens", 0), ("logprobs", True), ("top_logprobs", 3), ("temperature", -1),
+    ("max_completion_tokens", 0), ("top_logprobs", 3), ("temperature", -1),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_object"}),
 ])
 def test_chat_out_of_range_values(server, field, value):
     assert_error(post(server, "/v1/chat/completions", {**CHAT, field: value}), 400, field)
 
 
-def test_logprobs_are_refused_with_a_clear_message(server):
-    error = assert_error(post(server, "/v1/completions", {**COMPLETION, "logprobs": 1}), 400, "logprobs")
-    assert "not supported" in error["message"]
+def test_top_logprobs_need_logprobs_and_stay_within_20(server):
+    for body in ({**CHAT, "top_logprobs": 2}, {**CHAT, "logprobs": False, "top_logprobs": 0}):
+        error = assert_error(post(server, "/v1/chat/completions", body), 400, "top_logprobs")
+        assert "logprobs: true" in error["message"]
+    error = assert_error(post(server, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}), 400,
+                         "top_logprobs")
+    assert "[0, 20]" in error["message"]
 
 
 def test_unknown_model_is_a_404(server):

@@ -22,12 +22,8 @@ class DataParallelLLM:
     def __init__(self, model: str, **engine_args):
         self.config = Config(model, **engine_args)  # every check before a process starts
         self.tokenizer = load_tokenizer(model)
-        replicas, ranks = self.config.data_parallel_size, self.config.tensor_parallel_size
-        envs = None
-        if self.config.torch_device.type == "cuda":  # replica i sees GPUs i*N .. i*N+N-1 as its cuda:0..N-1
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
-            visible = visible.split(",")
-            envs = [{"CUDA_VISIBLE_DEVICES": ",".join(visible[i * ranks:(i + 1) * ranks])} for i in range(replicas)]
+        replicas = self.config.data_parallel_size
+        envs = replica_environments(self.config)
         args = [(model, {**engine_args, "data_parallel_size": 1}, torch.get_num_threads())] * replicas
         # Not daemons: a replica starts its own tensor-parallel ranks.
         self.replicas = Workers.spawn(replica, args, [f"data-parallel replica {i}" for i in range(replicas)],
@@ -82,6 +78,18 @@ class DataParallelLLM:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def replica_environments(config: Config) -> list[dict] | None:
+    """What each replica's process adds to its environment: on CUDA, replica i sees GPUs
+    i*N .. i*N+N-1 (N = tensor_parallel_size) as its cuda:0..N-1; elsewhere nothing (None)."""
+    if config.torch_device.type != "cuda":
+        return None
+    ranks = config.tensor_parallel_size
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+    visible = visible.split(",")
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(visible[i * ranks:(i + 1) * ranks])}
+            for i in range(config.data_parallel_size)]
 
 
 def _close(replicas: Workers) -> None:

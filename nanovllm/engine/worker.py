@@ -50,7 +50,7 @@ class Workers:
         for args, name, env in zip(args_per_child, names, envs or [{}] * len(names)):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=target, args=(child_end, *args), name=f"nanovllm {name}", daemon=daemon)
-            with _environment(env):
+            with child_environment(env):
                 process.start()
             child_end.close()  # then only the child holds its end: the child's exit reads as EOF here
             conns.append(parent_end)
@@ -159,7 +159,7 @@ class Workers:
 
 
 @contextlib.contextmanager
-def _environment(env: dict):
+def child_environment(env: dict):
     """os.environ with `env` added, for a child to start with. A variable read when a module is
     imported (CUDA_VISIBLE_DEVICES: the first CUDA call fixes the devices a process sees, and
     importing the kernels makes one) must be set before the child unpickles its target."""

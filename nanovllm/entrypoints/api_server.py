@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine (engine_loop.py).
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine (engine_loop.py), or a
+DataParallelEngine of several for --data-parallel-size > 1.
 
 Handlers never run the model: they turn a request into engine requests (one per prompt and
 choice), wait on an asyncio.Event that the engine's reader task sets as tokens arrive, and turn
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.entrypoints.detokenizer import TextStream
-from nanovllm.entrypoints.engine_loop import AsyncEngine, EngineDeadError, RequestState
+from nanovllm.entrypoints.engine_loop import AsyncEngine, DataParallelEngine, EngineDeadError, RequestState
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
@@ -105,7 +106,8 @@ class OpenAIServer:
         self.model_name = served_model_name or model
         self.api_key, self.max_queue = api_key, max_queue
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
-        self.engine = AsyncEngine(model, engine_args, self.metrics, engine_class)
+        engine_cls = DataParallelEngine if engine_args.get("data_parallel_size", 1) > 1 else AsyncEngine
+        self.engine = engine_cls(model, engine_args, self.metrics, engine_class)
         self.tokenizer = None
         self.tokenizer_loaded = False
 
@@ -475,7 +477,8 @@ def build_app(model: str, engine_args: dict, served_model_name: str | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await server.start()
-        logger.info("engine process %d is loading %s", server.engine.process.pid, model)
+        for process in server.engine.processes:
+            logger.info("engine process %d is loading %s", process.pid, model)
         try:
             yield
         finally:

@@ -48,9 +48,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from nanovllm.entrypoints.api_server import serve
     if args.max_queue is not None and args.max_queue < 0:
         raise SystemExit("nanovllm serve: --max-queue must be >= 0")
-    if args.data_parallel_size != 1:
-        raise SystemExit("nanovllm serve: one server runs one engine; for data parallelism run a server per "
-                         "replica (--data-parallel-size must be 1)")
+    if args.data_parallel_size < 1:
+        raise SystemExit("nanovllm serve: --data-parallel-size must be >= 1")
     return serve(args.model, engine_args(args), host=args.host, port=args.port,
                  served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                  shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)

@@ -23,6 +23,11 @@ import struct
 import threading
 import time
 import traceback
+import weakref
+
+from nanovllm.config import Config
+from nanovllm.engine.data_parallel import replica_environments
+from nanovllm.engine.worker import child_environment
 
 _HEADER = struct.Struct("<Q")
 
@@ -136,12 +141,13 @@ class EngineDeadError(RuntimeError):
 
 class RequestState:
     """One engine request as the server sees it. `event` is shared by the requests of one HTTP
-    request (its choices), so a handler wakes once for whatever arrived for any of them."""
-    __slots__ = ("request_id", "event", "new_token_ids", "new_logprobs", "num_tokens", "accepted", "finish_reason",
-                 "error", "arrival", "first_token_time", "last_token_time")
+    request (its choices), so a handler wakes once for whatever arrived for any of them.
+    `replica`: the engine that runs it, under a DataParallelEngine (request ids are per engine)."""
+    __slots__ = ("request_id", "event", "replica", "new_token_ids", "new_logprobs", "num_tokens", "accepted",
+                 "finish_reason", "error", "arrival", "first_token_time", "last_token_time")
 
     def __init__(self, request_id: int, event: asyncio.Event):
-        self.request_id, self.event = request_id, event
+        self.request_id, self.event, self.replica = request_id, event, 0
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[dict[int, float]] = []  # one a new token, when the request asked
         self.num_tokens = 0
@@ -167,10 +173,11 @@ class RequestState:
 class AsyncEngine:
     """The server's handle on the engine process. Lives on the server's event loop: add() and
     abort() only queue a message; one reader task routes each step's tokens to the requests'
-    states. `metrics` (metrics.ServerMetrics) is told of every token."""
+    states. `metrics` (metrics.ServerMetrics) is told of every token. `env` is added to the
+    environment the engine process starts with (a replica's CUDA_VISIBLE_DEVICES)."""
 
-    def __init__(self, model: str, engine_args: dict, metrics, engine_class=None):
-        self.model, self.engine_args, self.engine_class = model, engine_args, engine_class
+    def __init__(self, model: str, engine_args: dict, metrics, engine_class=None, env: dict | None = None):
+        self.model, self.engine_args, self.engine_class, self.env = model, engine_args, engine_class, env or {}
         self.metrics = metrics
         self.info: dict | None = None  # set once the engine is loaded
         self.error: str | None = None  # why the engine is gone
@@ -186,12 +193,17 @@ class AsyncEngine:
     def ready(self) -> bool:
         return self.info is not None and self.error is None
 
+    @property
+    def processes(self) -> list:
+        return [self.process]
+
     async def start(self) -> None:
         ours, theirs = socket.socketpair()
         # Not a daemon: a tensor-parallel engine starts processes of its own.
         self.process = multiprocessing.get_context("spawn").Process(
             target=engine_main, args=(self.model, self.engine_args, theirs, self.engine_class), name="nanovllm-engine")
-        self.process.start()
+        with child_environment(self.env):
+            self.process.start()
         atexit.register(self._kill)  # runs before multiprocessing's exit hook, which would wait for it
         theirs.close()
         reader, self._writer = await asyncio.open_connection(sock=ours)
@@ -306,4 +318,91 @@ class AsyncEngine:
         self.requests.clear()
         self.num_waiting = 0
         if notify and self.info is None and self.on_load_failure is not None:
+            self.on_load_failure(message)
+
+
+class DataParallelEngine:
+    """M AsyncEngines (replicas, each possibly tensor-parallel) behind AsyncEngine's interface.
+    An HTTP request's engine requests (its prompts and choices, which share its event) all go
+    to the replica with the fewest requests in flight, so its choices share one prefix cache.
+    Once a replica fails the server is down (`error` set: /health answers 503, new requests
+    are refused); the failed replica's requests get its error, the others' run to their end."""
+
+    def __init__(self, model: str, engine_args: dict, metrics, engine_class=None):
+        self.model, self.engine_args = model, engine_args
+        self.replicas = [AsyncEngine(model, {**engine_args, "data_parallel_size": 1}, metrics, engine_class)
+                         for _ in range(engine_args["data_parallel_size"])]
+        for replica in self.replicas:
+            replica.on_load_failure = self._load_failed
+        self.on_load_failure = None
+        self._load_failure_told = False
+        self._replica_of = weakref.WeakKeyDictionary()  # an HTTP request's event -> its replica
+
+    @property
+    def ready(self) -> bool:
+        return all(replica.ready for replica in self.replicas)
+
+    @property
+    def error(self) -> str | None:
+        return next((replica.error for replica in self.replicas if replica.error is not None), None)
+
+    @property
+    def info(self) -> dict | None:
+        """Replica 0's, once every replica has loaded (they load the same model and settings)."""
+        return self.replicas[0].info if all(replica.info is not None for replica in self.replicas) else None
+
+    @property
+    def stats(self) -> dict:
+        """Each count summed over the replicas (so KV-cache usage is that of all their blocks)."""
+        keys = dict.fromkeys(key for replica in self.replicas for key in replica.stats)
+        block_size = {"kv_block_size": self.replicas[0].stats["kv_block_size"]} if "kv_block_size" in keys else {}
+        return {**{key: sum(r.stats.get(key, 0) for r in self.replicas) for key in keys}, **block_size}
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(replica.num_waiting for replica in self.replicas)
+
+    @property
+    def processes(self) -> list:
+        return [replica.process for replica in self.replicas]
+
+    async def start(self) -> None:
+        """Checks the settings once for all replicas (N x M GPUs), then starts them, replica i on
+        its slice of the GPUs."""
+        try:
+            config = Config(self.model, **self.engine_args)
+        except ValueError as exc:
+            self.fail(f"the engine failed to start: {_describe(exc)}")
+            return
+        for replica, env in zip(self.replicas, replica_environments(config) or [{}] * len(self.replicas)):
+            replica.env = env
+            await replica.start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        await asyncio.gather(*(replica.shutdown(timeout) for replica in self.replicas))
+
+    def add(self, prompt_ids: list[int], params, event: asyncio.Event) -> RequestState:
+        if (error := self.error) is not None:
+            raise EngineDeadError(error)
+        index = self._replica_of.get(event)
+        if index is None:
+            loads = [len(replica.requests) for replica in self.replicas]
+            index = self._replica_of[event] = loads.index(min(loads))
+        state = self.replicas[index].add(prompt_ids, params, event)
+        state.replica = index
+        return state
+
+    def abort(self, states: list[RequestState]) -> None:
+        for index, replica in enumerate(self.replicas):
+            if mine := [state for state in states if state.replica == index]:
+                replica.abort(mine)
+
+    def fail(self, message: str, notify: bool = True) -> None:
+        for replica in self.replicas:
+            replica.fail(message, notify)
+
+    def _load_failed(self, message: str) -> None:
+        """A replica failed before it was ready: the server is told once."""
+        if self.on_load_failure is not None and not self._load_failure_told:
+            self._load_failure_told = True
             self.on_load_failure(message)

@@ -60,7 +60,7 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(TIMEOUT)
         assert not self.thread.is_alive(), "the server did not stop"
-        assert not self.engine.process.is_alive(), "the engine process outlived the server"
+        assert not any(p.is_alive() for p in self.engine.processes), "an engine process outlived the server"
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples by name; request_success by name{finished_reason}."""

@@ -1,6 +1,6 @@
 """The `nanovllm` command: its help, and `python -m nanovllm.serve` as a process: it finishes
 the request in flight on SIGTERM, exits 0 and leaves no engine process behind; an engine that
-fails to load ends it with exit code 1."""
+fails to load ends it with exit code 1; a --data-parallel-size below 1 is refused."""
 import os
 import queue
 import re
@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from servers import ENGINE_ARGS, TIMEOUT, wait_until
 
@@ -98,3 +99,9 @@ def test_an_engine_that_fails_to_load_ends_the_server(tmp_path):
         server.wait_for(r"failed to start: ValueError: model: architecture 'GPT2LMHeadModel' is not supported")
     finally:
         server.stop()
+
+
+def test_data_parallel_size_below_1_names_the_flag(chat_checkpoint):
+    from nanovllm.entrypoints.cli import main
+    with pytest.raises(SystemExit, match="--data-parallel-size must be >= 1"):
+        main(["serve", str(chat_checkpoint), "--data-parallel-size", "0"])

@@ -1,19 +1,23 @@
 """A server of two engine replicas (--data-parallel-size 2): greedy outputs equal LLM.generate()'s,
 concurrent requests spread over both, an HTTP request's choices share a replica, a client that
 leaves frees its replica's blocks, a killed replica fails its requests and the server's health,
-and no process outlives the server. The dispatch rule itself is checked without processes."""
+and no process outlives the server. The dispatch rule itself is checked without processes; on
+two GPUs, each replica starts on its own GPU."""
 import asyncio
 import contextlib
 import json
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+import torch
+
 from distributed.parallel_testing import child_pids
-from servers import MODEL_NAME, TIMEOUT, RunningServer, wait_until
+from servers import ENGINE_ARGS, MODEL_NAME, TIMEOUT, RunningServer, wait_until
 
 # Long enough that the requests run for a second or more, so they are in flight when checked.
 LONG_ARGS = {"data_parallel_size": 2, "max_model_len": 1024, "num_kvcache_blocks": 512}
@@ -54,11 +58,11 @@ def streaming(http: httpx.Client, **more):
         yield lines
 
 
-def test_greedy_completions_equal_llm_generate(server, llm):
-    from nanovllm import SamplingParams
-    prompts = ["The quick brown fox", "A river runs", "Once upon a time", "Seven", "hello hello", "x y z"]
-    expected = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+PROMPTS = ["The quick brown fox", "A river runs", "Once upon a time", "Seven", "hello hello", "x y z"]
 
+
+def greedy_outputs(server: RunningServer, prompts: list[str]) -> list:
+    """The prompts' temperature-0 completions of 20 tokens, sent at once."""
     async def main():
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                       timeout=TIMEOUT) as client:
@@ -66,7 +70,13 @@ def test_greedy_completions_equal_llm_generate(server, llm):
                 model=MODEL_NAME, prompt=p, max_tokens=20, temperature=0,
                 extra_body={"ignore_eos": True, "return_token_ids": True}) for p in prompts))
 
-    outputs = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_greedy_completions_equal_llm_generate(server, llm):
+    from nanovllm import SamplingParams
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    outputs = greedy_outputs(server, PROMPTS)
     assert [o.choices[0].model_extra["token_ids"] for o in outputs] == [e["token_ids"] for e in expected]
     assert [o.choices[0].text for o in outputs] == [e["text"] for e in expected]
 
@@ -190,3 +200,24 @@ def test_settings_are_checked_before_any_replica_starts(chat_checkpoint):
     asyncio.run(engine.start())
     assert told == ["the engine failed to start: ValueError: max_model_len: must be at least 1, got 0"]
     assert engine.error == told[0] and not engine.ready and engine.processes == [None, None]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_each_replica_starts_on_its_own_gpu(chat_checkpoint):
+    from nanovllm import LLM, SamplingParams
+    engine_args = {"device": "cuda", "enforce_eager": False}
+    with LLM(str(chat_checkpoint), **{**ENGINE_ARGS, **engine_args}) as llm:
+        expected = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                                use_tqdm=False)
+    server = RunningServer(chat_checkpoint, {**engine_args, "data_parallel_size": 2}).start()
+    pids = [process.pid for process in server.engine.processes]
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+        environments = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in pids]
+        assert [next(v for v in env if v.startswith(b"CUDA_VISIBLE_DEVICES=")).split(b"=")[1].decode()
+                for env in environments] == visible.split(",")[:2]
+        outputs = greedy_outputs(server, PROMPTS)
+        assert [o.choices[0].model_extra["token_ids"] for o in outputs] == [e["token_ids"] for e in expected]
+    finally:
+        stop_server(server, set(pids))

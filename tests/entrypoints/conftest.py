@@ -34,15 +34,17 @@ def plain_checkpoint(chat_checkpoint, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(chat_checkpoint):
-    """The server most tests share: the chat checkpoint served as "tiny"."""
+    """The server a module's tests share: the chat checkpoint served as "tiny". One per module,
+    not per session: a session's server would still run during tests elsewhere that count
+    their child processes."""
     running = RunningServer(chat_checkpoint).start()
     yield running
     running.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(server):
     import openai
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)

@@ -16,6 +16,11 @@ WORK=$(mktemp -d)
 trap 'tar czf "$FINAL/multi_gpu_results.tgz" -C "$OUT" .; rm -rf "$WORK"' EXIT
 mkdir -p "$FINAL"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The server's packages, where they are missing, from wheels in .whl/ (scripts/serve_check.sh).
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serve_site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/serve_site
+fi
 TP=${TP:-2}
 DP=${DP:-2}
 STAGES=${STAGES:-"info tests correctness single8b bench8b bench06b allreduce fault"}
@@ -186,7 +191,8 @@ sizes() { local list=1; [ "$1" != 1 ] && list="1 $1"; echo $list; }  # 1, and th
 for stage in $STAGES; do case $stage in
   info) run info bash -c 'nvidia-smi; date -u; python3 -c "import torch, triton, transformers
 print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.device_count())"' ;;
-  tests) run tests python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests/distributed ;;
+  tests) run tests python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests/distributed \
+      tests/entrypoints/test_data_parallel.py ;;  # the server's replicas need its packages (below)
   correctness) run correctness python3 "$CHECK" correctness "$QWEN3_8B" "$TP" "${CHECK_LAYERS:-36}" ;;
   single8b) for tp in $(sizes "$TP"); do
       bench "single8b_tp$tp" --model "$QWEN3_8B" --tensor-parallel-size "$tp" $SINGLE; done ;;

@@ -9,7 +9,9 @@ padding is free next to the weight traffic). With one split a program stores its
 stores an fp32 partial and counts itself in at its feature tile's counter, and the last to
 arrive adds the partials in split order (the sum does not depend on which program finishes
 last), adds the bias, stores the output and sets the counter back to 0 for the next call:
-one launch, no memset. The counters are one buffer per device, so two of these kernels must
+one launch, no memset. The split count is a compile-time constant, so that reduction is
+unrolled and issues every partial's load before the first add: one L2 round trip instead of
+one a split. The counters are one buffer per device, so two of these kernels must
 not run at once on two streams of a device.
 
 No kernel of the package writes weights, so each program reads its first weight tile before
@@ -33,6 +35,7 @@ PROGRAMS_PER_SM = 2
 _BLOCK_N = 64  # the M side of a Hopper wgmma
 _TILE_BYTES = 16 << 10  # weight bytes a program reads per step
 _MAX_TILES_SPLIT = 4096  # counters per device: feature tiles a split call may have
+_MAX_SPLITS = 32  # partials the last program's unrolled reduction adds
 _INTERPRETER_SMS = 4  # no SMs under TRITON_INTERPRET: enough programs to split small test shapes
 _arrivals: dict[int, torch.Tensor] = {}
 
@@ -62,10 +65,10 @@ def _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS: t
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["M", "num_splits"])
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, K, x_row_stride, w_row_stride,
-                 k_per_split, num_splits,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 k_per_split,
+                 HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """The output as [BLOCK_N features, BLOCK_M tokens] = W tile @ x^T tile: the weight is the
     wide operand. Masks compare with K, not the split's end: splits start at multiples of
@@ -90,15 +93,15 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, M,
         acc = tl.dot(w, _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST), acc,
                      input_precision=DOT_PRECISION)
     mask = feature_mask & (tokens < M)[None, :]
-    if SPLIT:
+    if SPLITS > 1:
         offsets = tokens[None, :] * N + features[:, None]  # partials are [splits, M, N]
         tl.store(partials_ptr + split * M * N + offsets, acc, mask=mask)
         # Every thread's partial is written before one thread's release-add announces it.
         tl.debug_barrier()
-        if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == num_splits - 1:
+        if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
             # .cg: from L2, where the other programs' partials are, never a stale L1 line
             acc = tl.load(partials_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-            for other in range(1, num_splits):
+            for other in tl.static_range(1, SPLITS):
                 acc += tl.load(partials_ptr + other * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(arrivals_ptr + tile, 0)
             _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS)
@@ -134,7 +137,7 @@ def _splits(tiles: int, k_blocks: int, slots: int) -> int:
     one block's worth of fixed cost (start, epilogue, partials; an estimate). Qwen3-0.6B's
     qkv at one row: 64 tiles of 8 blocks in 4 runs, one wave of 256 programs; Qwen3-8B's
     gate_up: 384 tiles of 32 blocks in 2 runs, 3 waves, against 2 waves of 32 unsplit."""
-    return min(range(1, k_blocks + 1), key=lambda s: (cdiv(tiles * s, slots) * (cdiv(k_blocks, s) + 1), s))
+    return min(range(1, min(k_blocks, _MAX_SPLITS) + 1), key=lambda s: (cdiv(tiles * s, slots) * (cdiv(k_blocks, s) + 1), s))
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
@@ -158,8 +161,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     upcast = dispatch.INTERPRETER and x.dtype == torch.bfloat16
     _gemv_kernel[(cdiv(n, config.block_n), config.splits)](
         x, weight, out if bias is None else bias, out, partials, arrivals, m, n, k, x.stride(0), weight.stride(0),
-        config.k_per_split, config.splits,
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        config.k_per_split,
+        HAS_BIAS=bias is not None, SPLITS=config.splits, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(x.get_device()))
 

@@ -83,6 +83,15 @@ def test_every_k_block_its_own_split_and_counters_left_at_zero(device, dtype):
     assert not gemv._arrival_counters(torch.device(device)).any()
 
 
+def test_split_count_is_bounded_by_the_unrolled_reduction():
+    """However many programs would fit, a call splits K into at most _MAX_SPLITS runs, the
+    partials the last program's unrolled reduction adds."""
+    gemv = _gemv()
+    config = gemv.config_for(150, 64 * 1000, 4, -1, programs_per_sm=4096)
+    assert config.splits == gemv._MAX_SPLITS
+    assert config.splits * config.k_per_split >= 64 * 1000
+
+
 @pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
 def test_empty_operands(device, dtype):
     require_triton(device)

@@ -38,7 +38,6 @@ the union of all kernels and copies; gap time, the step minus busy time: the GPU
 between its activities; the largest gaps and the kernels that take the most time.
 
 NANOVLLM_GEMV=0 runs the projections and the LM head on cuBLAS instead of the Triton GEMV;
-NANOVLLM_FUSED_DECODE=0 keeps the GEMV but runs the MLP activation as a kernel of its own;
 the JSON records which. Without a GPU (a smoke run of the logic):
     python -m benchmarks.bench_latency --device cpu --model-config qwen3-tiny --batch-sizes 1 2 \\
         --contexts 64 --ttft-prompts 64 --steps 4 --warmup 2 --profile --out /tmp/latency"""
@@ -316,7 +315,6 @@ def main():
         "model": os.path.basename(os.path.normpath(config_dir)), "dtype": str(runner.dtype),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "copy_gbs": copy_gbs, "gemv": kernels.gemv_enabled,
-        "fused_decode": kernels.fused_decode_enabled,
         "pdl": os.environ.get("NANOVLLM_PDL", "1") != "0",
         "cuda_graphs": bool(runner.graphs), "kv_block_size": args.block_size, "kv_blocks": runner.num_kvcache_blocks,
         "max_model_len": llm.config.max_model_len, "weight_bytes": weights, "kv_bytes_per_key": kv_per_key,

@@ -14,7 +14,7 @@ __all__ = [
     "KERNELS_AVAILABLE", "backend_for", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
-    "sample", "small_batch_linear", "linear", "act_and_mul_linear", "GEMV_MAX_ROWS",
+    "sample", "small_batch_linear", "linear", "GEMV_MAX_ROWS",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -23,12 +23,6 @@ _GEMV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 GEMV_MAX_ROWS = 16  # nanovllm.kernels.gemv.MAX_ROWS, without importing Triton here
 # linear() sends small CUDA batches to small_batch_linear; NANOVLLM_GEMV=0 keeps F.linear (cuBLAS).
 gemv_enabled = KERNELS_AVAILABLE and os.environ.get("NANOVLLM_GEMV", "1") != "0"
-# act_and_mul_linear gates inside the GEMV where it runs; NANOVLLM_FUSED_DECODE=0 keeps the
-# separate activation kernel.
-fused_decode_enabled = os.environ.get("NANOVLLM_FUSED_DECODE", "1") != "0"
-# Devices whose small batches the GEMV serves. The interpreter's engine test adds "cpu".
-gemv_device_types = frozenset({"cuda"})
-_GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 def _require(condition: bool, name: str, message) -> None:
@@ -268,17 +262,17 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
                                                    max_top_k, bool(logprobs))
 
 
-def _require_gemv_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> None:
-    """x [..., K] (gated: [..., 2K]) of at most GEMV_MAX_ROWS rows, weight [N, K], bias [N] or
-    None, all of one dtype and device."""
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most GEMV_MAX_ROWS rows of x (decode
+    batches): a split-K GEMV that reads the weight once at close to copy bandwidth. float16,
+    bfloat16 or float32. Returns a new contiguous [..., N] tensor."""
     _require(isinstance(x, torch.Tensor) and x.dtype in _GEMV_DTYPES, "x",
              "must be a float16, bfloat16 or float32 tensor")
     _require(x.dim() >= 1 and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS, "x",
              lambda: f"must be [..., K] with at most {GEMV_MAX_ROWS} rows, got shape {tuple(x.shape)}")
-    k = x.shape[-1] // 2 if gated else x.shape[-1]
     _require_float(weight, "weight")
-    _require(weight.dim() == 2 and weight.shape[1] == k, "weight",
-             lambda: f"shape {tuple(weight.shape)} must be [N, {k}]")
+    _require(weight.dim() == 2 and weight.shape[1] == x.shape[-1], "weight",
+             lambda: f"shape {tuple(weight.shape)} must be [N, {x.shape[-1]}]")
     _require(weight.dtype == x.dtype, "weight", lambda: f"dtype {weight.dtype} differs from x's {x.dtype}")
     _require(weight.device == x.device, "weight", lambda: f"device {weight.device} differs from x's {x.device}")
     if bias is not None:
@@ -286,41 +280,13 @@ def _require_gemv_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         _require(bias.shape == weight.shape[:1], "bias", lambda: f"shape {tuple(bias.shape)} must be ({weight.shape[0]},)")
         _require(bias.dtype == x.dtype, "bias", lambda: f"dtype {bias.dtype} differs from x's {x.dtype}")
         _require(bias.device == x.device, "bias", lambda: f"device {bias.device} differs from x's {x.device}")
-
-
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most GEMV_MAX_ROWS rows of x (decode
-    batches): a split-K GEMV that reads the weight once at close to copy bandwidth. float16,
-    bfloat16 or float32. Returns a new contiguous [..., N] tensor."""
-    _require_gemv_operands(x, weight, bias, gated=False)
     return implementation("small_batch_linear", x.device)(x, weight, bias)
 
 
-def _gemv_serves(x: torch.Tensor) -> bool:
-    """Whether a projection of x runs on the GEMV: at most GEMV_MAX_ROWS rows on a device of
-    gemv_device_types (unless gemv_enabled is off). Under a captured graph the choice is that
-    of the captured batch size."""
-    return (gemv_enabled and x.device.type in gemv_device_types and x.dtype in _GEMV_DTYPES
-            and x.numel() <= GEMV_MAX_ROWS * x.shape[-1])
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except that small batches go to small_batch_linear (_gemv_serves)."""
-    if _gemv_serves(x):
+    """F.linear, except that CUDA inputs of at most GEMV_MAX_ROWS rows go to small_batch_linear
+    (unless gemv_enabled is off). Under a captured graph the choice is that of the captured
+    batch size."""
+    if gemv_enabled and x.is_cuda and x.dtype in _GEMV_DTYPES and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
         return small_batch_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def act_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       activation: str = "silu") -> torch.Tensor:
-    """The gated MLP's down projection: linear(act(x[..., :d]) * x[..., d:], weight, bias), act
-    "silu", "gelu" (erf) or "gelu_tanh". One kernel where the GEMV serves x (and
-    fused_decode_enabled); otherwise silu_and_mul or gelu_and_mul, then linear."""
-    _require(activation in _GATED_ACTIVATIONS, "activation",
-             lambda: f"must be one of {_GATED_ACTIVATIONS}, got {activation!r}")
-    if not (fused_decode_enabled and _gemv_serves(x)):
-        gated = silu_and_mul(x) if activation == "silu" else gelu_and_mul(x, "none" if activation == "gelu" else "tanh")
-        return linear(gated, weight, bias)
-    _require_gated(x)
-    _require_gemv_operands(x, weight, bias, gated=True)
-    return implementation("act_and_mul_linear", x.device)(x, weight, bias, activation)

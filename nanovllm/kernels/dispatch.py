@@ -34,7 +34,6 @@ _TRITON_MODULES = {
     "paged_attention": "attention",
     "sample": "sampling",
     "small_batch_linear": "gemv",
-    "act_and_mul_linear": "gemv",
 }
 
 

@@ -16,13 +16,7 @@ not run at once on two streams of a device.
 
 No kernel of the package writes weights, so each program reads its first weight tile before
 it waits for the kernel before it (programmatic dependent launch, launch.py): the read
-overlaps that kernel's end.
-
-act_and_mul_linear computes (act(gate) * up) W^T of x = [gate | up], the gated MLP's down
-projection: each program gates its own K slice of the input as it loads it, so the separate
-activation kernel, whose launch and tail cost more than its few KB at decode sizes, goes.
-The gated input is rounded to x's dtype before the product, as the separate kernel rounds
-its output."""
+overlaps that kernel's end."""
 import functools
 from typing import NamedTuple
 
@@ -32,7 +26,6 @@ import triton.language as tl
 
 from nanovllm.kernels import dispatch
 from nanovllm.kernels._tiling import cdiv
-from nanovllm.kernels.activation import _activate
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 MAX_ROWS = 16  # rows of x a call serves: one tl.dot tile
@@ -43,8 +36,6 @@ _BLOCK_N = 64  # the M side of a Hopper wgmma
 _TILE_BYTES = 16 << 10  # weight bytes a program reads per step
 _MAX_TILES_SPLIT = 4096  # counters per device: feature tiles a split call may have
 _MAX_SPLITS = 32  # partials the last program's unrolled reduction adds
-# act_and_mul_linear's activation -> activation.py's ACTIVATION constexpr
-_ACTIVATIONS = {"silu": "silu", "gelu": "none", "gelu_tanh": "tanh"}
 _INTERPRETER_SMS = 4  # no SMs under TRITON_INTERPRET: enough programs to split small test shapes
 _arrivals: dict[int, torch.Tensor] = {}
 
@@ -59,14 +50,10 @@ class Config(NamedTuple):
 
 
 @triton.jit
-def _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr):
-    """x^T [BLOCK_K, BLOCK_M], gated when ACTIVATION is not "": rows past M are zeros."""
+def _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST: tl.constexpr):
+    """x^T [BLOCK_K, BLOCK_M]: rows past M are zeros."""
     mask = (cols < K)[:, None] & (tokens < M)[None, :]
-    offsets = tokens[None, :] * x_row_stride + cols[:, None]
-    xt = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-    if ACTIVATION != "":
-        up = tl.load(x_ptr + offsets + K, mask=mask, other=0.0).to(tl.float32)
-        xt = (_activate(xt.to(tl.float32), ACTIVATION) * up).to(x_ptr.dtype.element_ty)
+    xt = tl.load(x_ptr + tokens[None, :] * x_row_stride + cols[:, None], mask=mask, other=0.0)
     return xt.to(tl.float32) if UPCAST else xt
 
 
@@ -82,8 +69,7 @@ def _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS: t
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, K, x_row_stride, w_row_stride,
                  k_per_split,
                  HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """The output as [BLOCK_N features, BLOCK_M tokens] = W tile @ x^T tile: the weight is the
     wide operand. Masks compare with K, not the split's end: splits start at multiples of
     BLOCK_K, and a K divisible by 16 keeps the loads vectorised."""
@@ -99,12 +85,12 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, M,
     await_previous_kernel(PDL)
     # The interpreter has no bf16 arithmetic (its dot of bf16 operands is garbage): it upcasts.
     w = w.to(tl.float32) if UPCAST else w
-    acc = tl.dot(w, _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, ACTIVATION, UPCAST), input_precision=DOT_PRECISION)
+    acc = tl.dot(w, _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST), input_precision=DOT_PRECISION)
     for k in range(start + BLOCK_K, end, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + cols[None, :], mask=feature_mask & (cols < K)[None, :], other=0.0)
         w = w.to(tl.float32) if UPCAST else w
-        acc = tl.dot(w, _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, ACTIVATION, UPCAST), acc,
+        acc = tl.dot(w, _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST), acc,
                      input_precision=DOT_PRECISION)
     mask = feature_mask & (tokens < M)[None, :]
     if SPLITS > 1:
@@ -165,11 +151,10 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: Config, activation: str = "") -> None:
-    """out [M, N] (contiguous) = x [M, K] @ weight [N, K]^T (+ bias), both with unit stride along K.
-    With an activation (_ACTIVATIONS' values), x is [M, 2K] and act(x[:, :K]) * x[:, K:] is
-    multiplied instead."""
-    m, (n, k) = x.shape[0], weight.shape
+           config: Config) -> None:
+    """out [M, N] (contiguous) = x [M, K] @ weight [N, K]^T (+ bias), both with unit stride along K."""
+    m, k = x.shape
+    n = weight.shape[0]
     split = config.splits > 1
     partials = torch.empty((config.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     arrivals = _arrival_counters(x.device) if split else out
@@ -178,29 +163,20 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         x, weight, out if bias is None else bias, out, partials, arrivals, m, n, k, x.stride(0), weight.stride(0),
         config.k_per_split,
         HAS_BIAS=bias is not None, SPLITS=config.splits, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        ACTIVATION=activation, UPCAST=upcast, DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(x.get_device()))
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "") -> torch.Tensor:
-    """A new contiguous [..., N] tensor. Operands without unit stride along K (and a strided
-    bias) are copied first: a transposed weight costs a copy of it every call."""
-    n, k = weight.shape
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Returns a new contiguous [..., N] tensor. Operands without unit stride along K (and a
+    strided bias) are copied first: a transposed weight costs a copy of it every call."""
+    k, n = x.shape[-1], weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
-    launch(rows, weight, bias, out, config_for(n, k, x.element_size(), x.get_device()), activation)
+    launch(rows, weight, bias, out, config_for(n, k, x.element_size(), x.get_device()))
     return out
-
-
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _project(x, weight, bias)
-
-
-def act_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       activation: str = "silu") -> torch.Tensor:
-    return _project(x, weight, bias, _ACTIVATIONS[activation])

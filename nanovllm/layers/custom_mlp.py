@@ -1,6 +1,5 @@
 """The gated MLP of Qwen/Llama-style decoders: down(act(gate(x)) * up(x)), with gate and up
-in one matrix and the activation and product fused into one kernel (at decode sizes into the
-down projection's).
+in one matrix and the activation and product fused into one kernel.
 
 `python -m nanovllm.layers.custom_mlp` checks that the fused and the plain PyTorch paths
 agree and times both on whatever device is there."""
@@ -20,9 +19,6 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": (lambda x: kernels.gelu_and_mul(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh")),
 }
 
-# hidden_act name -> kernels.act_and_mul_linear's activation
-KERNEL_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
-
 
 def resolve_activation(hidden_act: str):
     if hidden_act not in ACTIVATIONS:
@@ -34,8 +30,7 @@ class CustomGatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False,
                  use_custom_kernels: bool = True):
         super().__init__()
-        _, self.act = resolve_activation(hidden_act)
-        self.kernel_activation = KERNEL_ACTIVATIONS[hidden_act]
+        self.fused_act_and_mul, self.act = resolve_activation(hidden_act)
         self.use_custom_kernels = use_custom_kernels
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
@@ -43,7 +38,7 @@ class CustomGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.use_custom_kernels:
-            return self.down_proj.forward_gated(gate_up, self.kernel_activation)
+            return self.down_proj(self.fused_act_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -70,17 +70,8 @@ class RowParallelLinear(LinearBase):
         copy_checked(param, self._rank_part(loaded, 1 if param.dim() == 2 else None), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(kernels.linear(x, self.weight, self._rank_bias()))
-
-    def forward_gated(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-        """self(act(gate) * up) of gate_up = [gate | up] (this rank's halves): the gated MLP's
-        down projection, one kernel at decode sizes (kernels.act_and_mul_linear)."""
-        return self._reduce(kernels.act_and_mul_linear(gate_up, self.weight, self._rank_bias(), activation))
-
-    def _rank_bias(self) -> torch.Tensor | None:
-        return self.bias if self.tp_rank == 0 else None
-
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        y = kernels.linear(x, self.weight, bias)
         return distributed.all_reduce(y) if self.tp_size > 1 else y
 
 

@@ -112,37 +112,13 @@ def test_gemv_matches_cublas_up_to_near_ties(checkpoint, hf_model, monkeypatch, 
     monkeypatch.setattr(kernels, "gemv_enabled", True)
     ours = engine_tokens(checkpoint, dtype=dtype)
     assert calls, "the GEMV never ran"
-    assert_equal_up_to_near_ties(hf_model, ours, cublas, dtype)
-
-
-def assert_equal_up_to_near_ties(hf_model, ours, theirs, dtype: str) -> None:
-    """Equal greedy tokens; in bf16, up to a first difference where fp32 transformers' logits
-    of the two tokens lie within BF16_TIE."""
-    for prompt, got, want in zip(PROMPTS, ours, theirs):
+    for prompt, got, want in zip(PROMPTS, ours, cublas):
         i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if i is not None:
             assert dtype == "bfloat16", f"fp32 token {i}: {got[i]} instead of {want[i]}"
             logits = next_logits(hf_model, prompt + got[:i])
             gap = (logits[want[i]] - logits[got[i]]).abs() / logits.abs().max()
             assert gap < BF16_TIE, f"token {i}: {got[i]} instead of {want[i]}, relative logit gap {gap:.3g}"
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_activation_matches_the_separate_kernel_up_to_near_ties(checkpoint, hf_model, monkeypatch, dtype):
-    """Decode graphs of up to 16 sequences with the MLP activation inside the down GEMV
-    (kernels.fused_decode_enabled) against the same engine with the separate kernel: equal
-    greedy tokens, in bf16 up to the first near-tie of fp32 transformers' logits."""
-    fused, implementation = [], kernels.implementation
-    monkeypatch.setattr(kernels, "implementation",
-                        lambda op, device: (fused.append(op) if op == "act_and_mul_linear" else None)
-                        or implementation(op, device))
-    monkeypatch.setattr(kernels, "fused_decode_enabled", False)
-    separate = engine_tokens(checkpoint, dtype=dtype)
-    assert not fused
-    monkeypatch.setattr(kernels, "fused_decode_enabled", True)
-    ours = engine_tokens(checkpoint, dtype=dtype)
-    assert fused, "the fused activation never ran"
-    assert_equal_up_to_near_ties(hf_model, ours, separate, dtype)
 
 
 

@@ -63,19 +63,3 @@ def test_triton_kernels_match_transformers_and_the_fallback(checkpoint):
     triton_tokens = [o["token_ids"] for o in outs]
     assert triton_tokens == hf_greedy(checkpoint)
     assert triton_tokens == engine_in_subprocess(checkpoint, "torch")["tokens"]
-
-
-@pytest.mark.triton_interpret
-def test_decode_through_the_gemv_and_its_fused_activation_matches_transformers(checkpoint, monkeypatch):
-    """Projections of small batches on the Triton GEMV, the MLP activation inside the down
-    projection's (kernels.act_and_mul_linear), as a GPU runs decode steps: the same greedy tokens."""
-    assert kernels.backend_for("cpu") == "triton", "the Triton path silently fell back to PyTorch"
-    monkeypatch.setattr(kernels, "gemv_enabled", True)
-    monkeypatch.setattr(kernels, "gemv_device_types", frozenset({"cpu"}))
-    monkeypatch.setattr(kernels, "fused_decode_enabled", True)
-    ops, implementation = [], kernels.implementation
-    monkeypatch.setattr(kernels, "implementation", lambda op, device: ops.append(op) or implementation(op, device))
-    llm = LLM(str(checkpoint), **ENGINE)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    assert {"act_and_mul_linear", "small_batch_linear"} <= set(ops), "the GEMV kernels never ran"
-    assert [o["token_ids"] for o in outs] == hf_greedy(checkpoint)

@@ -1,7 +1,6 @@
-"""small_batch_linear and act_and_mul_linear (nanovllm/kernels/gemv.py) against float64
-references, on both GEMV paths (one program per feature tile, and split-K with the last
-program reducing), and the boundary's choice between them, the separate activation kernels
-and F.linear. Tolerances: kernel_testing.TOLERANCE."""
+"""small_batch_linear (nanovllm/kernels/gemv.py) against F.linear in float64, on both of its
+paths (one program per feature tile, and split-K with the last program reducing), and
+kernels.linear's choice between it and F.linear. Tolerances: kernel_testing.TOLERANCE."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,16 +75,11 @@ def test_every_k_block_its_own_split_and_counters_left_at_zero(device, dtype):
     x, weight, bias = (randn(rows, k, dtype=dtype, device=device), randn(n, k, dtype=dtype, device=device),
                        randn(n, dtype=dtype, device=device))
     expected = reference.small_batch_linear(*upcast(x, weight, bias))
-    gate_up = randn(rows, 2 * k, dtype=dtype, device=device)
-    expected_gated = reference.act_and_mul_linear(*upcast(gate_up, weight))
     for _ in range(2):
         poison_allocator(rows * n * 4 * (config.splits + 1), device)
         out = torch.empty(rows, n, dtype=dtype, device=device)
         gemv.launch(x, weight, bias, out, config)
         assert_close(out, expected, dtype)
-        out = torch.empty(rows, n, dtype=dtype, device=device)
-        gemv.launch(gate_up, weight, None, out, config, activation="silu")
-        assert_close(out, expected_gated, dtype)
     assert not gemv._arrival_counters(torch.device(device)).any()
 
 
@@ -96,22 +90,6 @@ def test_split_count_is_bounded_by_the_unrolled_reduction():
     config = gemv.config_for(150, 64 * 1000, 4, -1, programs_per_sm=4096)
     assert config.splits == gemv._MAX_SPLITS
     assert config.splits * config.k_per_split >= 64 * 1000
-
-
-@pytest.mark.parametrize("device,dtype", TARGETS)
-@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
-@pytest.mark.parametrize("rows,n,k,splits,with_bias", SHAPES[:2])
-def test_act_and_mul_linear_matches_float64(device, dtype, activation, rows, n, k, splits, with_bias):
-    """Contiguous and strided [gate | up] rows, split and unsplit."""
-    require_triton(device)
-    weight = randn(n, k, dtype=dtype, device=device)
-    bias = randn(n, dtype=dtype, device=device) if with_bias else None
-    for gate_up in (randn(rows, 2 * k, dtype=dtype, device=device), strided_rows(rows, 2 * k, dtype, device)):
-        poison_allocator(64 * n * 4, device)
-        out = _gemv().act_and_mul_linear(gate_up, weight, bias, activation)
-        expected = reference.act_and_mul_linear(*upcast(gate_up, weight), None if bias is None else bias.double(),
-                                                activation)
-        assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
@@ -134,10 +112,6 @@ def test_qwen3_shapes_in_bf16(rows):
         x = randn(rows, k, dtype=torch.bfloat16, device="cuda")
         weight = randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
         _check(x, weight, None, torch.bfloat16)
-    gate_up, weight = randn(rows, 6144, dtype=torch.bfloat16, device="cuda"), randn(1024, 3072, dtype=torch.bfloat16,
-                                                                                    device="cuda")
-    assert_close(_gemv().act_and_mul_linear(gate_up, weight), reference.act_and_mul_linear(*upcast(gate_up, weight)),
-                 torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -180,42 +154,6 @@ def test_linear_routes_small_batches_to_the_gemv(monkeypatch):
     monkeypatch.setattr(kernels, "gemv_enabled", False)
     kernels.linear(randn(1, 32, dtype=torch.bfloat16, device="cuda"), weight)
     assert calls == [1, 16]
-
-
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("rows", [3, 17])
-def test_act_and_mul_linear_routes_small_batches_to_the_fusion(monkeypatch, fused, rows):
-    """At most GEMV_MAX_ROWS rows with the fusion on: one fused op; otherwise the separate
-    activation, then linear (the GEMV, or F.linear past GEMV_MAX_ROWS). Every route gives the
-    reference's result (CPU tensors: the reference serves them outside the interpreter)."""
-    gate_up, weight = torch.randn(rows, 48), torch.randn(5, 24)
-    monkeypatch.setattr(kernels, "gemv_enabled", True)
-    monkeypatch.setattr(kernels, "gemv_device_types", frozenset({"cpu"}))
-    monkeypatch.setattr(kernels, "fused_decode_enabled", fused)
-    ops, implementation = [], kernels.implementation
-    monkeypatch.setattr(kernels, "implementation", lambda op, device: ops.append(op) or implementation(op, device))
-    for activation in ("silu", "gelu_tanh"):
-        torch.testing.assert_close(kernels.act_and_mul_linear(gate_up, weight, activation=activation),
-                                   reference.act_and_mul_linear(gate_up, weight, activation=activation))
-    if fused and rows <= kernels.GEMV_MAX_ROWS:
-        assert ops == ["act_and_mul_linear"] * 2
-    elif rows <= kernels.GEMV_MAX_ROWS:
-        assert ops == ["silu_and_mul", "small_batch_linear", "gelu_and_mul", "small_batch_linear"]
-    else:
-        assert ops == ["silu_and_mul", "gelu_and_mul"]
-
-
-@pytest.mark.parametrize("call,name", [
-    (lambda: kernels.act_and_mul_linear(torch.randn(2, 7), torch.randn(3, 4)), "x"),
-    (lambda: kernels.act_and_mul_linear(torch.randn(2, 8), torch.randn(3, 8)), "weight"),
-    (lambda: kernels.act_and_mul_linear(torch.randn(2, 8), torch.randn(3, 4), torch.randn(4)), "bias"),
-    (lambda: kernels.act_and_mul_linear(torch.randn(2, 8), torch.randn(3, 4), activation="relu"), "activation"),
-])
-def test_act_and_mul_linear_bad_arguments_name_the_argument(monkeypatch, call, name):
-    monkeypatch.setattr(kernels, "gemv_enabled", True)
-    monkeypatch.setattr(kernels, "gemv_device_types", frozenset({"cpu"}))
-    with pytest.raises(ValueError, match=rf"^{name}:"):
-        call()
 
 
 @pytest.mark.parametrize("call,name", [

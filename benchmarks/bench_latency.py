@@ -17,7 +17,9 @@ zeros stand in for keys and values and cost the same to read. A step's time is t
 between the arrivals on the host of two consecutive steps' tokens, averaged over --steps
 steps after --warmup: in steady state that is the step's period, set by the GPU or by the
 host, whichever is slower. Timing one step from its launch to its tokens would instead add
-the host's launch work to the GPU's, though in the engine the two overlap.
+the host's launch work to the GPU's, though in the engine the two overlap. "wait ms" is the
+mean time the host spent blocked on a step's tokens: near 0, the host sets the pace and GPU
+work taken off the step does not shorten it.
 
 The floor. Bytes a step must read: every parameter once (the LM head included; an untied
 embedding table is not counted, a step reads one row of it per sequence) plus each
@@ -141,16 +143,19 @@ def seat(llm, batch: int, context: int, max_tokens: int) -> list[Sequence]:
     return seqs
 
 
-def run_steps(llm, steps: int) -> list[float]:
+def run_steps(llm, steps: int) -> tuple[list[float], list[float]]:
     """Runs `steps` decode steps of the running sequences, one in flight while the next is
-    launched, as the engine's generate loop does; returns when each step's tokens arrived."""
+    launched, as the engine's generate loop does; returns when each step's tokens arrived and
+    how long the host waited for them (near 0: the host, not the GPU, sets the pace)."""
     scheduler, runner = llm.scheduler, llm.model_runner
-    in_flight, arrivals = deque(), []
+    in_flight, arrivals, waits = deque(), [], []
 
     def collect():
         batch, sampled = in_flight.popleft()
+        started = time.perf_counter()
         tokens = sampled.tolist()  # waits for the step
         arrivals.append(time.perf_counter())
+        waits.append(arrivals[-1] - started)
         scheduler.postprocess(batch, tokens)
 
     for _ in range(steps):
@@ -161,7 +166,7 @@ def run_steps(llm, steps: int) -> list[float]:
             collect()
     while in_flight:
         collect()
-    return arrivals
+    return arrivals, waits
 
 
 def decode_case(llm, batch: int, context: int, warmup: int, steps: int, step_room: int) -> dict:
@@ -175,7 +180,7 @@ def decode_case(llm, batch: int, context: int, warmup: int, steps: int, step_roo
                 "skipped": f"needs {needed} KV blocks ({gb:.0f} GB), the cache has {manager.num_free_blocks}"}
     seqs = seat(llm, batch, context, max_tokens=step_room)
     try:
-        arrivals = run_steps(llm, warmup + steps + 1)
+        arrivals, waits = run_steps(llm, warmup + steps + 1)
     finally:
         for seq in seqs:
             llm.abort(seq.request_id)
@@ -183,7 +188,9 @@ def decode_case(llm, batch: int, context: int, warmup: int, steps: int, step_roo
     intervals = [b - a for a, b in zip(timed, timed[1:])]
     # the timed steps read context + warmup + 1 ... context + warmup + steps keys
     return {"batch": batch, "context": context, "step_ms": (timed[-1] - timed[0]) / steps * 1e3,
-            "step_ms_median": statistics.median(intervals) * 1e3, "mean_keys": context + warmup + (steps + 1) / 2}
+            "step_ms_median": statistics.median(intervals) * 1e3,
+            "wait_ms": statistics.fmean(waits[warmup + 1:warmup + steps + 1]) * 1e3,
+            "mean_keys": context + warmup + (steps + 1) / 2}
 
 
 def add_floor(case: dict, weights: int, kv_per_key: int, copy_gbs: float) -> dict:
@@ -325,7 +332,8 @@ def main():
           f"step {weights / 1e9:.3f} GB, KV {kv_per_key / 1024:.0f} KiB a key; GEMV {'on' if result['gemv'] else 'off'}, "
           f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, {runner.num_kvcache_blocks} KV blocks of "
           f"{args.block_size}")
-    print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'median':>9} {'tok/s':>9} {'floor ms':>9} {'% floor':>8}")
+    print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'median':>9} {'wait ms':>8} {'tok/s':>9} {'floor ms':>9} "
+          f"{'% floor':>8}")
     result["decode"] = []
     for context in args.contexts:
         for batch in args.batch_sizes:
@@ -335,7 +343,7 @@ def main():
             else:
                 case = add_floor(case, weights, kv_per_key, copy_gbs)
                 print(f"{batch:6d} {context:8d} {case['step_ms']:9.3f} {case['step_ms_median']:9.3f} "
-                      f"{case['tok_per_s']:9.0f} {case['floor_ms']:9.3f} {case['pct_of_floor']:8.1f}")
+                      f"{case['wait_ms']:8.3f} {case['tok_per_s']:9.0f} {case['floor_ms']:9.3f} {case['pct_of_floor']:8.1f}")
             result["decode"].append(case)
     result["ttft_ms"] = {}
     for prompt_len in args.ttft_prompts:

@@ -17,7 +17,10 @@ from pathlib import Path
 HEADS, HEAD_DIM = (16, 8), 128
 PREFILL = dict(name="prefill 8 x 2048", query_lens=[2048] * 8, seq_lens=[2048] * 8)
 DECODES = [dict(name="decode 256 x 1024", query_lens=[1] * 256, seq_lens=[1024] * 256),
-           dict(name="decode 1 x 32768", query_lens=[1], seq_lens=[32768])]
+           dict(name="decode 1 x 32768", query_lens=[1], seq_lens=[32768]),
+           # small heads in small blocks (Qwen2.5-0.5B's 14 / 2 heads of 64): short programs
+           dict(name="decode 256 x 512, 14/2 heads, d64, blocks of 16", query_lens=[1] * 256, seq_lens=[512] * 256,
+                heads=(14, 2), head_dim=64, block_size=16)]
 # Same shape classes as above with other token counts: must reuse the compiled kernels.
 SECOND_CALLS = [dict(name="prefill 7 x 1500", query_lens=[1500] * 7, seq_lens=[1500] * 7),
                 dict(name="decode 255 x 1000", query_lens=[1] * 255, seq_lens=[1000] * 255),
@@ -116,10 +119,12 @@ class Bench:
     # --- workloads ---------------------------------------------------------------------------
 
     def workload(self, spec: dict, block_size: int | None = None) -> dict:
-        """Paged bf16 caches holding every sequence's keys, blocks in random order."""
+        """Paged bf16 caches holding every sequence's keys, blocks in random order; heads,
+        head dim and block size the spec's where it names them."""
         torch = self.torch
-        block_size = block_size or self.block_size
-        num_q_heads, num_kv_heads = HEADS
+        block_size = block_size or spec.get("block_size", self.block_size)
+        num_q_heads, num_kv_heads = spec.get("heads", HEADS)
+        head_dim = spec.get("head_dim", HEAD_DIM)
         blocks = [math.ceil(n / block_size) for n in spec["seq_lens"]]
         ids = torch.randperm(sum(blocks), device=self.device, generator=self.gen).to(torch.int32)
         width = max(max(blocks), math.ceil(spec.get("table_tokens", 0) / block_size))
@@ -128,15 +133,15 @@ class Bench:
         for i, n in enumerate(blocks):
             block_tables[i, :n] = ids[taken:taken + n]
             taken += n
-        cache_shape = (sum(blocks), block_size, num_kv_heads, HEAD_DIM)
+        cache_shape = (sum(blocks), block_size, num_kv_heads, head_dim)
         k_cache, v_cache = (torch.randn(cache_shape, device=self.device, dtype=torch.bfloat16, generator=self.gen)
                             for _ in range(2))
         cu_seqlens_q = torch.tensor([0, *spec["query_lens"]], device=self.device).cumsum(0).to(torch.int32)
-        q = torch.randn(int(cu_seqlens_q[-1]), num_q_heads, HEAD_DIM, device=self.device, dtype=torch.bfloat16,
+        q = torch.randn(int(cu_seqlens_q[-1]), num_q_heads, head_dim, device=self.device, dtype=torch.bfloat16,
                         generator=self.gen)
         seq_lens = torch.tensor(spec["seq_lens"], dtype=torch.int32, device=self.device)
         return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
-                    block_tables=block_tables, max_seqlen_q=max(spec["query_lens"]), scale=HEAD_DIM ** -0.5)
+                    block_tables=block_tables, max_seqlen_q=max(spec["query_lens"]), scale=head_dim ** -0.5)
 
     def run(self, w: dict, config=None, num_splits=None):
         return self.attention.paged_attention(**w, config=config, num_splits=num_splits)
@@ -228,11 +233,12 @@ class Bench:
         w = self.workload(spec, block_size)
         self.checked(spec["name"], w, config)
         ms = self.time_ms(lambda: self.run(w, config))
-        kv_bytes = 2 * sum(spec["seq_lens"]) * HEADS[1] * HEAD_DIM * w["k_cache"].element_size()
-        row = {"workload": spec["name"], "block_size": w["k_cache"].shape[1], "ms": ms,
+        _, block_size, num_kv_heads, head_dim = w["k_cache"].shape
+        kv_bytes = 2 * sum(spec["seq_lens"]) * num_kv_heads * head_dim * w["k_cache"].element_size()
+        row = {"workload": spec["name"], "block_size": block_size, "ms": ms,
                "GBps": kv_bytes / ms / 1e6, "bandwidth_fraction": kv_bytes / ms / 1e6 / self.copy_gbps,
                "floor_ms": kv_bytes / self.copy_gbps / 1e6,
-               "splits": self.attention.split_plan(len(spec["seq_lens"]) * HEADS[1],
+               "splits": self.attention.split_plan(len(spec["seq_lens"]) * num_kv_heads,
                                                     w["block_tables"].shape[1] * w["k_cache"].shape[1],
                                                     (config or self.default_config(w)).block_n, self.device)[0]}
         if baseline:
@@ -254,8 +260,9 @@ class Bench:
         return rows
 
     def default_config(self, w: dict):
-        return self.attention.default_config(HEAD_DIM, HEADS[0] // HEADS[1], w["max_seqlen_q"],
-                                             w["k_cache"].dtype, self.device, block_size=w["k_cache"].shape[1])
+        _, block_size, num_kv_heads, head_dim = w["k_cache"].shape
+        return self.attention.default_config(head_dim, w["q"].shape[1] // num_kv_heads, w["max_seqlen_q"],
+                                             w["k_cache"].dtype, self.device, block_size=block_size)
 
     def block_size_sweep(self) -> list[dict]:
         rows = []

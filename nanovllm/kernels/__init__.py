@@ -262,10 +262,13 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
                                                    max_top_k, bool(logprobs))
 
 
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most GEMV_MAX_ROWS rows of x (decode
     batches): a split-K GEMV that reads the weight once at close to copy bandwidth. float16,
-    bfloat16 or float32. Returns a new contiguous [..., N] tensor."""
+    bfloat16 or float32. Returns a new contiguous [..., N] tensor. `prefetch`: a contiguous
+    tensor on x's device, read into the L2 cache while the kernel waits for its input (the
+    next projection's weight); it does not change the result."""
     _require(isinstance(x, torch.Tensor) and x.dtype in _GEMV_DTYPES, "x",
              "must be a float16, bfloat16 or float32 tensor")
     _require(x.dim() >= 1 and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS, "x",
@@ -280,13 +283,19 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         _require(bias.shape == weight.shape[:1], "bias", lambda: f"shape {tuple(bias.shape)} must be ({weight.shape[0]},)")
         _require(bias.dtype == x.dtype, "bias", lambda: f"dtype {bias.dtype} differs from x's {x.dtype}")
         _require(bias.device == x.device, "bias", lambda: f"device {bias.device} differs from x's {x.device}")
-    return implementation("small_batch_linear", x.device)(x, weight, bias)
+    if prefetch is not None:
+        _require(isinstance(prefetch, torch.Tensor) and prefetch.is_contiguous(), "prefetch",
+                 "must be a contiguous tensor or None")
+        _require(prefetch.device == x.device, "prefetch",
+                 lambda: f"device {prefetch.device} differs from x's {x.device}")
+    return implementation("small_batch_linear", x.device)(x, weight, bias, prefetch)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except that CUDA inputs of at most GEMV_MAX_ROWS rows go to small_batch_linear
-    (unless gemv_enabled is off). Under a captured graph the choice is that of the captured
-    batch size."""
+    (unless gemv_enabled is off), with `prefetch`. Under a captured graph the choice is that
+    of the captured batch size."""
     if gemv_enabled and x.is_cuda and x.dtype in _GEMV_DTYPES and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
-        return small_batch_linear(x, weight, bias)
+        return small_batch_linear(x, weight, bias, prefetch)
     return F.linear(x, weight, bias)

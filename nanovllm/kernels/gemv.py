@@ -16,8 +16,12 @@ not run at once on two streams of a device.
 
 No kernel of the package writes weights, so each program reads its first weight tile before
 it waits for the kernel before it (programmatic dependent launch, launch.py): the read
-overlaps that kernel's end."""
+overlaps that kernel's end. Given the weight of the projection a decode step runs next, the
+programs also split its bytes among them and issue L2 prefetches for their share at that
+point, so the next GEMV reads its weight from L2 instead of HBM (NANOVLLM_GEMV_PREFETCH=0
+turns this off)."""
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -25,7 +29,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import dispatch
-from nanovllm.kernels._tiling import cdiv
+from nanovllm.kernels._tiling import cdiv, next_power_of_2
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 MAX_ROWS = 16  # rows of x a call serves: one tl.dot tile
@@ -36,6 +40,9 @@ _BLOCK_N = 64  # the M side of a Hopper wgmma
 _TILE_BYTES = 16 << 10  # weight bytes a program reads per step
 _MAX_TILES_SPLIT = 4096  # counters per device: feature tiles a split call may have
 _MAX_SPLITS = 32  # partials the last program's unrolled reduction adds
+_LINE = 128  # bytes an L2 prefetch fetches
+_MAX_PREFETCH_LINES = 2048  # a program's share of the next weight above which none is prefetched (256 KB)
+prefetch_enabled = os.environ.get("NANOVLLM_GEMV_PREFETCH", "1") != "0"
 _INTERPRETER_SMS = 4  # no SMs under TRITON_INTERPRET: enough programs to split small test shapes
 _arrivals: dict[int, torch.Tensor] = {}
 
@@ -58,6 +65,13 @@ def _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Fetches the 128-byte lines holding ptrs into L2; nothing waits for them."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + features, mask=features < N, other=0.0).to(tl.float32)[:, None]
@@ -66,10 +80,11 @@ def _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS: t
 
 @fast_launch
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, K, x_row_stride, w_row_stride,
-                 k_per_split,
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, next_ptr, next_lines, M, N, K,
+                 x_row_stride, w_row_stride, k_per_split,
                  HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 PDL: tl.constexpr):
     """The output as [BLOCK_N features, BLOCK_M tokens] = W tile @ x^T tile: the weight is the
     wide operand. Masks compare with K, not the split's end: splits start at multiples of
     BLOCK_K, and a K divisible by 16 keeps the loads vectorised."""
@@ -82,6 +97,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, M,
     end = tl.minimum(start + k_per_split, K)
     cols = start + tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + cols[None, :], mask=feature_mask & (cols < K)[None, :], other=0.0)
+    if PREFETCH > 0:  # this program's run of the next weight's lines (PREFETCH: the run's length, padded)
+        share = tl.cdiv(next_lines, tl.num_programs(0) * SPLITS)
+        offsets = tl.arange(0, PREFETCH)
+        lines = tl.minimum((tile * SPLITS + split) * share + tl.where(offsets < share, offsets, 0), next_lines - 1)
+        _prefetch_l2(next_ptr + lines.to(tl.int64) * LINE)
     await_previous_kernel(PDL)
     # The interpreter has no bf16 arithmetic (its dot of bf16 operands is garbage): it upcasts.
     w = w.to(tl.float32) if UPCAST else w
@@ -151,23 +171,39 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: Config) -> None:
-    """out [M, N] (contiguous) = x [M, K] @ weight [N, K]^T (+ bias), both with unit stride along K."""
+           config: Config, prefetch: torch.Tensor | None = None) -> None:
+    """out [M, N] (contiguous) = x [M, K] @ weight [N, K]^T (+ bias), both with unit stride along K.
+    `prefetch`: a contiguous tensor to read into L2 on the way (the next projection's weight)."""
     m, k = x.shape
     n = weight.shape[0]
     split = config.splits > 1
     partials = torch.empty((config.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     arrivals = _arrival_counters(x.device) if split else out
     upcast = dispatch.INTERPRETER and x.dtype == torch.bfloat16
-    _gemv_kernel[(cdiv(n, config.block_n), config.splits)](
-        x, weight, out if bias is None else bias, out, partials, arrivals, m, n, k, x.stride(0), weight.stride(0),
+    tiles = cdiv(n, config.block_n)
+    lines, run = _prefetch_run(prefetch, tiles * config.splits)
+    _gemv_kernel[(tiles, config.splits)](
+        x, weight, out if bias is None else bias, out, partials, arrivals,
+        prefetch.view(-1).view(torch.uint8) if run else out, lines, m, n, k, x.stride(0), weight.stride(0),
         config.k_per_split,
         HAS_BIAS=bias is not None, SPLITS=config.splits, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
+        PREFETCH=run, LINE=_LINE, UPCAST=upcast, DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(x.get_device()))
 
 
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _prefetch_run(prefetch: torch.Tensor | None, programs: int) -> tuple[int, int]:
+    """-> (lines of `prefetch`, a program's share of them padded to a power of two), (0, 0)
+    for no prefetch: none asked, turned off, the interpreter (no inline PTX), or a share too
+    large to issue before the kernel's own work (an LM head's)."""
+    if prefetch is None or not prefetch_enabled or dispatch.INTERPRETER or prefetch.numel() == 0:
+        return 0, 0
+    lines = cdiv(prefetch.numel() * prefetch.element_size(), _LINE)
+    share = cdiv(lines, programs)
+    return (lines, next_power_of_2(share)) if share <= _MAX_PREFETCH_LINES else (0, 0)
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """Returns a new contiguous [..., N] tensor. Operands without unit stride along K (and a
     strided bias) are copied first: a transposed weight costs a copy of it every call."""
     k, n = x.shape[-1], weight.shape[0]
@@ -178,5 +214,5 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
-    launch(rows, weight, bias, out, config_for(n, k, x.element_size(), x.get_device()))
+    launch(rows, weight, bias, out, config_for(n, k, x.element_size(), x.get_device()), prefetch)
     return out

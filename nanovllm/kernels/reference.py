@@ -46,7 +46,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(summed, weight, eps), summed
 
 
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """`prefetch` is a cache hint: nothing to do here."""
     dtype = _compute_dtype(x)
     return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).to(x.dtype)
 

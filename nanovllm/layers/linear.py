@@ -22,6 +22,7 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b). `shard_dim` is the weight dimension split across ranks (None: replicated)."""
+    following: "LinearBase | None" = None  # the projection a decode step runs next (read_ahead)
 
     def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
         super().__init__()
@@ -45,8 +46,17 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         copy_checked(param, self._rank_part(loaded, self.shard_dim), name)
 
+    def read_ahead(self, following: "LinearBase") -> None:
+        """At decode sizes this projection's kernel reads `following`'s weight into the L2 cache
+        while it waits for its input (kernels.small_batch_linear's prefetch). A plain
+        reference, not a submodule: the module tree and the state dict stay as they are."""
+        object.__setattr__(self, "following", following)
+
+    def _next_weight(self) -> torch.Tensor | None:
+        return None if self.following is None else self.following.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self._next_weight())
 
 
 class ReplicatedLinear(LinearBase):
@@ -71,7 +81,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = kernels.linear(x, self.weight, bias)
+        y = kernels.linear(x, self.weight, bias, self._next_weight())
         return distributed.all_reduce(y) if self.tp_size > 1 else y
 
 

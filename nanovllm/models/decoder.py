@@ -79,6 +79,10 @@ class DecoderModel(nn.Module):
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                      config.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(config, options, rotary_emb) for _ in range(config.num_hidden_layers))
+        projections = [p for layer in self.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        for current, following in zip(projections, projections[1:]):
+            current.read_ahead(following)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)
         scale = None
         if options.embed_scale is not None:

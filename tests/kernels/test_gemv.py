@@ -1,6 +1,8 @@
 """small_batch_linear (nanovllm/kernels/gemv.py) against F.linear in float64, on both of its
 paths (one program per feature tile, and split-K with the last program reducing), and
 kernels.linear's choice between it and F.linear. Tolerances: kernel_testing.TOLERANCE."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,6 +128,54 @@ def test_cuda_graph_capture():
     assert not _gemv()._arrival_counters(torch.device("cuda")).any()
 
 
+@pytest.mark.gpu
+def test_prefetch_leaves_the_result_unchanged():
+    """Reading the next projection's weight into L2 on the way: bit for bit the result without,
+    eager and replayed from a graph, split and unsplit, with a next weight smaller than the
+    grid (one line a program) and larger."""
+    gemv = _gemv()
+    x = randn(3, 1024, dtype=torch.bfloat16, device="cuda")
+    for n in (1024, 4096):
+        weight = randn(n, 1024, dtype=torch.bfloat16, device="cuda")
+        for following in (randn(7, dtype=torch.bfloat16, device="cuda"), randn(6144, 1024, dtype=torch.bfloat16,
+                                                                                device="cuda")):
+            assert gemv._prefetch_run(following, 64)[1] > 0
+            expected = small_batch_linear(x, weight)
+            assert torch.equal(small_batch_linear(x, weight, prefetch=following), expected)
+            assert torch.equal(capture_and_replay(lambda: small_batch_linear(x, weight, prefetch=following)), expected)
+
+
+def test_prefetch_shares_lines_among_programs_up_to_a_bound(monkeypatch):
+    gemv = _gemv()
+    monkeypatch.setattr(gemv.dispatch, "INTERPRETER", False)
+    assert gemv._prefetch_run(torch.empty(1000, dtype=torch.bfloat16), 4) == (16, 4)  # 2000 bytes: 16 lines
+    assert gemv._prefetch_run(torch.empty(3 * 128, dtype=torch.uint8), 2) == (3, 2)
+    assert gemv._prefetch_run(None, 4) == (0, 0)
+    assert gemv._prefetch_run(torch.empty(0), 4) == (0, 0)
+    large = torch.empty(1 << 20, dtype=torch.bfloat16)  # 2 MB over 2 programs: shares past _MAX_PREFETCH_LINES
+    assert gemv._prefetch_run(large, 2) == (0, 0)
+    monkeypatch.setattr(gemv, "prefetch_enabled", False)
+    assert gemv._prefetch_run(torch.empty(1000, dtype=torch.bfloat16), 4) == (0, 0)
+    monkeypatch.setattr(gemv, "prefetch_enabled", True)
+    monkeypatch.setattr(gemv.dispatch, "INTERPRETER", True)  # no inline PTX there
+    assert gemv._prefetch_run(torch.empty(1000, dtype=torch.bfloat16), 4) == (0, 0)
+
+
+def test_decoder_projections_read_ahead_in_decode_order():
+    """Each projection's following one is the next a decode step runs; the chain adds no
+    parameters or submodules."""
+    from nanovllm.config import ModelConfig
+    from nanovllm.models.qwen3 import Qwen3ForCausalLM
+    config = ModelConfig.from_dir(str(Path(kernels.__file__).parents[1] / "configs" / "qwen3-tiny"))
+    model = Qwen3ForCausalLM(config)
+    order = [p for layer in model.model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert [p.following for p in order] == order[1:] + [None]
+    assert len(dict(model.named_parameters())) == len(list(model.parameters()))
+    assert not any("following" in name for name, _ in model.named_modules())
+    assert not any("following" in name for name in model.state_dict())
+
+
 def test_the_boundary_and_the_kernel_agree_on_the_row_limit():
     assert kernels.GEMV_MAX_ROWS == _gemv().MAX_ROWS
 
@@ -166,6 +216,9 @@ def test_linear_routes_small_batches_to_the_gemv(monkeypatch):
     (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(8)), "weight"),
     (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(3, 8), torch.randn(4)), "bias"),
     (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(3, 8), torch.randn(3, dtype=torch.float16)), "bias"),
+    (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(3, 8), prefetch=torch.randn(4, 6).t()), "prefetch"),
+    (lambda: small_batch_linear(torch.randn(1, 8), torch.randn(3, 8), prefetch=torch.randn(4, device="meta")),
+     "prefetch"),
 ])
 def test_bad_arguments_name_the_argument(call, name):
     with pytest.raises(ValueError, match=rf"^{name}:"):

@@ -254,9 +254,9 @@ def selection_batch(vocab: int):
             x[0, g * sampling.GROUP] = 2.0
     x[1] = float("-inf")
     x[1, [5, vocab // 2, vocab - 1]] = torch.tensor([2.0, -1.0, 0.5])  # the last group is partial
-    x[4, [1, 2, 6 * sampling.GROUP]] = 3.0  # the top 3 tokens lie in 2 groups; the third group:
-    x[4, 2 * sampling.GROUP + 3] = -0.0  # ranks below
-    x[4, 7 * sampling.GROUP + 9] = 0.0  # this one, as the keys order -0.0 below 0.0
+    x[4, [1, 2, 6 * sampling.GROUP]] = 3.0  # the top 3 tokens lie in 2 groups; the third chosen:
+    x[4, 7 * sampling.GROUP + 9] = 0.0  # this one, as the keys rank -0.0 below 0.0,
+    x[4, 2 * sampling.GROUP + 3] = -0.0  # not this one of lower id
     x[5].normal_(generator=gen).mul_(2)
     x[6].normal_(generator=gen)
     x[7] = 0.25
@@ -286,11 +286,11 @@ class KeepingBuffers(sampling.SampleLaunches):
 @pytest.mark.parametrize("target", kernel_targets()[:2])
 @pytest.mark.parametrize("vocab, select", [(333, sampling.SELECT), (4001, sampling.SELECT), (4001, 64)])
 def test_group_selection_takes_the_first_groups_by_max_then_id(target, vocab, select, monkeypatch):
-    """The group ids the finalize writes, against their definition, in one pass over 11 or 126
-    groups and, past SELECT = 64, through the best tiles of 4 groups first; the tokens drawn
-    from them as replayed."""
+    """The group ids the finalize writes, against their definition: one select over 11 or 126
+    groups and, past SELECT = 64, one over tiles of 4 groups first; the tokens drawn from them
+    as replayed."""
     monkeypatch.setattr(sampling, "SELECT", select)
-    device, sample = implementation(target)
+    device, _ = implementation(target)
     x, top_ks, top_ps = selection_batch(vocab)
     temperatures, seeds = torch.full((9,), 0.8), torch.arange(9) + 40
     launches = KeepingBuffers()

@@ -7,11 +7,15 @@ Three launches, each reading what it needs once:
   rows that sample without filters, and for filtering rows the max of every 32-token group.
 - min_p_draw (rows x chunks, launched only with min_ps): rows with min-p and no top-k / top-p
   draw again over their chunk, among tokens with (x - max) / T >= log(min_p).
-- finalize (one program a row): rows with top-k / top-p pick, by bisection over their group
-  maxima, the k groups holding the top k tokens (ranked by logit, ties by lower token id);
-  those k * 32 tokens are ranked with tl.topk, and top-k, min-p and top-p apply to the ranked
-  list; the draw adds noise to those tokens only. Other rows take their best chunk. With
-  log-probabilities, log_softmax(x / T)[token] from the chunk sums.
+- finalize (one program a row): rows with top-k / top-p pick the k groups holding the top k
+  tokens (ranked by logit, ties by lower token id) by a radix select over their group maxima
+  as order-preserving uint32 keys: 4 bits a pass, each pass one 16-bin histogram of the keys
+  still level with the k-th, until those are exactly the ones needed. Past 1,024 groups the
+  maxima of tiles of 1,024 / k_pad groups (k_pad: max_top_k rounded up to a power of two) are
+  selected first, then the groups of the k best tiles, so that either select holds a few keys
+  a thread. Those k * 32 tokens are ranked with tl.topk, and top-k, min-p and top-p apply to
+  the ranked list; the draw adds noise to those tokens only. Other rows take their best chunk.
+  With log-probabilities, log_softmax(x / T)[token] from the chunk sums.
 
 The noise of token t of a row depends on (seed, t) alone: Philox 4x32 (7 rounds, the fewest
 that pass BigCrush) at counter t - t % 4n + t % n, output (t % 4n) // n, where the noise block
@@ -33,6 +37,8 @@ INTERPRETER = tl.constexpr(INTERPRETER)
 SORT_FREE_TOP_K = 256  # the largest top-k (and top-p candidate count) filtered without a sort
 NOISE_BLOCK = 1024  # tokens sharing one Philox call's four outputs, NOISE_BLOCK apart; a scan chunk holds four
 GROUP = 32  # tokens a group maximum covers
+SELECT = 1024  # group maxima one select of the finalize ranks; past it, tiles of groups go first
+RADIX_BITS = 4  # key bits a radix pass decides: 16 bins, whose scan and sum stay within a warp
 PHILOX_ROUNDS = 7
 LOG2E = 1.4426950408889634
 # Largest float32 below 1: u = 1 would make the noise +inf.
@@ -206,26 +212,80 @@ def _unorder(key):
 
 
 @triton.jit
-def _top_groups(group_row, num_groups, gid_row, k, GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr):
+def _split_at_kth(keys, live, k, DIGIT: tl.constexpr):
+    """-> (above, level, need): masks of the live keys larger than their k-th largest and of
+    those that may equal it, need of which complete the k largest (1 <= k <= live keys).
+    Radix select, DIGIT bits a pass from the top: a histogram of the level keys' next digit
+    gives the k-th largest one's; it stops once exactly the needed keys are level."""
+    tl.static_assert(32 % DIGIT == 0)
+    bins = tl.arange(0, 1 << DIGIT).to(tl.int64)
+    above = tl.zeros(keys.shape, tl.int1)
+    level = live
+    need = k
+    count = -1  # level keys, unknown before the first pass
+    shift = 32
+    while (shift > 0) & (count != need):
+        shift -= DIGIT
+        digits = ((keys >> shift.to(tl.uint32)) & ((1 << DIGIT) - 1)).to(tl.int32)
+        counts = tl.histogram(digits, 1 << DIGIT, mask=level)
+        at_least = tl.cumsum(counts, 0, reverse=True)
+        here = (at_least >= need) & (at_least - counts < need)
+        # one reduction: the k-th key's digit, how many level keys share it, how many pass it
+        found = tl.sum(tl.where(here, bins << 32 | counts.to(tl.int64) << 16,
+                                tl.where(at_least < need, counts, 0).to(tl.int64)), axis=0)
+        digit = (found >> 32).to(tl.int32)
+        above |= level & (digits > digit)
+        level &= digits == digit
+        count = ((found >> 16) & 0xFFFF).to(tl.int32)
+        need -= (found & 0xFFFF).to(tl.int32)
+    return above, level, need
+
+
+@triton.jit
+def _store_top(keys, live, ids, k, out, DIGIT: tl.constexpr):
+    """Writes to out, in tensor order, the ids of the k live keys first by (key descending,
+    position ascending)."""
+    above, level, need = _split_at_kth(keys, live, k, DIGIT)
+    # running counts of the keys above and level in one scan (each below 2**16)
+    before = tl.cumsum(above.to(tl.int32) << 16 | level.to(tl.int32), axis=0)
+    chosen = above | (level & ((before & 0xFFFF) <= need))
+    tl.store(out + (before >> 16) + tl.minimum(before & 0xFFFF, need) - 1, ids, mask=chosen)
+
+
+@triton.jit
+def _group_keys(group_row, gids, live):
+    """Order-preserving uint32 keys of the group maxima; 0, the lowest, where not live."""
+    return tl.where(live, _orderable(tl.load(group_row + gids, mask=live, other=0.0)), 0)
+
+
+@triton.jit
+def _top_groups(group_row, num_groups, gid_row, k, GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                TILE: tl.constexpr, DIGIT: tl.constexpr):
     """Writes to gid_row the ids, in increasing order, of the min(k, groups) groups first by
     (group max descending, id ascending): they hold the row's top k tokens, since groups are
-    runs of consecutive ids. Bisection over the maxima's int32 keys finds the k-th largest."""
-    gids = tl.arange(0, GROUPS_PAD)
-    values = tl.load(group_row + gids, mask=gids < num_groups, other=float("-inf"))
-    keys = (_orderable(values) ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
-    keys = tl.where(gids < num_groups, keys, -(1 << 31) - 1)  # padding ranks below -inf
-    lo = tl.min(keys, axis=0)
-    hi = tl.max(keys, axis=0)
-    for _ in range(33):  # the largest key with at least k maxima at or above it
-        mid = (lo + hi + 1) >> 1
-        enough = tl.sum((keys >= mid).to(tl.int32), axis=0) >= k
-        lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid - 1)
-    above = keys > lo
-    tied = (keys == lo).to(tl.int32)
-    chosen = above | ((tied != 0) & (tl.cumsum(tied, axis=0) <= k - tl.sum(above.to(tl.int32), axis=0)))
-    slots = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-    tl.store(gid_row + slots, gids, mask=chosen & (slots < K_PAD))
-    return tl.minimum(tl.sum(chosen.to(tl.int32), axis=0), K_PAD)
+    runs of consecutive ids. Padding ids (>= num_groups) rank below every group and fill the
+    slots past num_groups. Past K_PAD * TILE groups, the groups are ranked only within the k
+    tiles of TILE groups first by (tile max descending, id ascending): a group outside those
+    has k tile maxima, so k groups, ahead of it."""
+    top = tl.minimum(k, num_groups)
+    if GROUPS_PAD > K_PAD * TILE:  # so over K_PAD * TILE groups: more than k tiles are live
+        tiles = tl.arange(0, GROUPS_PAD // TILE)
+        gids = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+        # every lane of a warp holds the maxima the reduction leaves: gathered, one lane has each
+        tile_keys = tl.gather(tl.max(_group_keys(group_row, gids, gids < num_groups), axis=1), tiles, 0)
+        _store_top(tile_keys, tiles < tl.cdiv(num_groups, TILE), tiles, top, gid_row, DIGIT)
+        tl.debug_barrier()  # the tile ids written above, read back by other threads
+        spots = tl.arange(0, K_PAD * TILE)
+        gids = tl.load(gid_row + spots // TILE, mask=spots // TILE < top, other=0) * TILE + spots % TILE
+        live = (spots // TILE < top) & (gids < num_groups)
+        tl.debug_barrier()  # every tile id read before the group ids overwrite them
+    else:
+        gids = tl.arange(0, GROUPS_PAD)
+        live = gids < num_groups
+    _store_top(_group_keys(group_row, gids, live), live, gids, top, gid_row, DIGIT)
+    pads = tl.arange(0, K_PAD)
+    tl.store(gid_row + pads, pads, mask=(pads >= num_groups) & (pads < tl.minimum(k, GROUPS_PAD)))
+    return tl.minimum(k, GROUPS_PAD)
 
 
 @fast_launch
@@ -235,7 +295,8 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
                      tokens_ptr, logprobs_ptr,
                      HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
                      LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, CHUNKS: tl.constexpr,
-                     GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr, GROUP: tl.constexpr, NOISE_BLOCK: tl.constexpr,
+                     GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr, DIGIT: tl.constexpr,
+                     GROUP: tl.constexpr, NOISE_BLOCK: tl.constexpr,
                      ROUNDS: tl.constexpr, U_MAX: tl.constexpr, LOG2E: tl.constexpr, PDL: tl.constexpr):
     await_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -252,7 +313,7 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
             k = tl.where(top_k > 0, tl.minimum(top_k, K_PAD), K_PAD)
             gid_row = gid_ptr + row * K_PAD
             chosen = _top_groups(group_max_ptr + row.to(tl.int64) * num_groups, num_groups, gid_row, k,
-                                 GROUPS_PAD, K_PAD)
+                                 GROUPS_PAD, K_PAD, TILE, DIGIT)
             tl.debug_barrier()  # the group ids written above, read back by other threads
             slots = tl.arange(0, K_PAD)
             gids = tl.load(gid_row + slots, mask=slots < chosen, other=0)
@@ -312,14 +373,15 @@ class SampleLaunches:
     def finalize(self, logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad: int):
         """logprobs: a float32 [rows] output, or None."""
         rows, vocab = logits.shape
-        groups = k_pad > 0
+        groups, k_pad = k_pad > 0, max(k_pad, 1)
         _finalize_kernel[(rows,)](
             logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
             buffers["max"], buffers["sum"], buffers["chunks"], buffers["group_max"], buffers["groups"],
             buffers["gids"], tokens, logprobs, **_has(filters), LOGPROBS=logprobs is not None, GROUPS=groups,
             CHUNKS=next_power_of_2(buffers["chunks"]), GROUPS_PAD=next_power_of_2(buffers["groups"]),
-            K_PAD=max(k_pad, 1), GROUP=GROUP, NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX,
-            LOG2E=LOG2E, num_warps=8 if groups else 4, **dependent_launch(logits.get_device()))
+            K_PAD=k_pad, TILE=max(1, SELECT // k_pad), DIGIT=RADIX_BITS, GROUP=GROUP, NOISE_BLOCK=noise_block(vocab),
+            ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8 if groups else 4,
+            **dependent_launch(logits.get_device()))
 
 
 def noise_block(vocab: int) -> int:

@@ -239,6 +239,71 @@ def test_a_seeded_row_does_not_depend_on_its_batch(target):
     assert other.tolist() != batched.tolist()  # rows 1 and 6 draw from hundreds of tokens
 
 
+def selection_batch(vocab: int):
+    """Rows whose group selection is hard, for max_top_k = 16: ties at the k-th group maximum,
+    -inf groups, k above the finite groups, k equal to the groups (16 or fewer), top-p alone
+    (k = 16, past 11 groups), -0.0 and 0.0, negative and positive maxima, all groups tied, few
+    distinct values. Returns (logits, top_ks, top_ps)."""
+    groups = -(-vocab // sampling.GROUP)
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen).mul_(0.5).sub_(6)  # every logit below -3
+    for g in range(groups):  # a 1.0 in every third group, a 2.0 in every fifth of the first 40
+        if g % 3 == 1:
+            x[0, min(g * sampling.GROUP + 7 * g % sampling.GROUP, vocab - 1)] = 1.0
+        if g % 5 == 2 and g < 40:
+            x[0, g * sampling.GROUP] = 2.0
+    x[1] = float("-inf")
+    x[1, [5, vocab // 2, vocab - 1]] = torch.tensor([2.0, -1.0, 0.5])  # the last group is partial
+    x[4, [1, 2, 6 * sampling.GROUP]] = 3.0  # the top 3 tokens lie in 2 groups; the third chosen:
+    x[4, 7 * sampling.GROUP + 9] = 0.0  # this one, as the keys rank -0.0 below 0.0,
+    x[4, 2 * sampling.GROUP + 3] = -0.0  # not this one of lower id
+    x[5].normal_(generator=gen).mul_(2)
+    x[6].normal_(generator=gen)
+    x[7] = 0.25
+    x[8] = torch.randint(-2, 3, (vocab,), generator=gen).float()
+    top_ks = torch.tensor([2 + len(range(2, min(groups, 40), 5)), 10, min(groups, 16), -1, 3, 1, 16, 5, 7])
+    top_ps = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 1.0, 0.5, 1.0, 0.8])
+    return x, top_ks, top_ps
+
+
+def top_groups(x: torch.Tensor, k: int) -> list[int]:
+    """The ids, increasing, of the min(k, groups) groups first by (max desc, -0.0 below 0.0, id
+    asc), then the padding ids up to min(k, groups rounded up to a power of two)."""
+    groups = -(-x.numel() // sampling.GROUP)
+    maxima = torch.full((groups * sampling.GROUP,), float("-inf")).index_copy(
+        0, torch.arange(x.numel()), x).view(groups, -1).amax(1).tolist()
+    order = sorted(range(groups), key=lambda g: (-maxima[g], math.copysign(1, maxima[g]) < 0, g))
+    count = min(k, 1 << (groups - 1).bit_length())
+    return sorted(order[:k]) + list(range(groups, count))
+
+
+class KeepingBuffers(sampling.SampleLaunches):
+    def finalize(self, logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad):
+        super().finalize(logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad)
+        self.buffers = buffers
+
+
+@pytest.mark.parametrize("target", kernel_targets()[:2])
+@pytest.mark.parametrize("vocab, select", [(333, sampling.SELECT), (4001, sampling.SELECT), (4001, 64)])
+def test_group_selection_takes_the_first_groups_by_max_then_id(target, vocab, select, monkeypatch):
+    """The group ids the finalize writes, against their definition: one select over 11 or 126
+    groups and, past SELECT = 64, one over tiles of 4 groups first; the tokens drawn from them
+    as replayed."""
+    monkeypatch.setattr(sampling, "SELECT", select)
+    device, _ = implementation(target)
+    x, top_ks, top_ps = selection_batch(vocab)
+    temperatures, seeds = torch.full((9,), 0.8), torch.arange(9) + 40
+    launches = KeepingBuffers()
+    tokens, _ = sampling.sample(*(t.to(device) for t in (x, temperatures, seeds, top_ks, top_ps)),
+                                max_top_k=16, launches=launches)
+    bounded = torch.where(top_ks > 0, top_ks, 16)  # top-p alone keeps max_top_k = 16 tokens at most
+    gids = launches.buffers["gids"].cpu()
+    for row, k in enumerate(bounded.tolist()):
+        expected = top_groups(x[row], k)
+        assert gids[row, :len(expected)].tolist() == expected, row
+    assert tokens.cpu().tolist() == replay(x, temperatures, seeds, bounded, top_ps).tolist()
+
+
 @pytest.mark.parametrize("target", kernel_targets())
 def test_a_bound_of_one_token_is_greedy(target):
     device, sample = implementation(target)

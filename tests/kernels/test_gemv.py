@@ -191,9 +191,9 @@ def test_linear_keeps_f_linear_on_the_cpu():
 def test_linear_routes_small_batches_to_the_gemv(monkeypatch):
     calls = []
 
-    def recording(x, weight, bias=None):
+    def recording(x, weight, bias=None, prefetch=None):
         calls.append(x.shape[0])
-        return small_batch_linear(x, weight, bias)
+        return small_batch_linear(x, weight, bias, prefetch)
 
     monkeypatch.setattr(kernels, "small_batch_linear", recording)
     monkeypatch.setattr(kernels, "gemv_enabled", True)

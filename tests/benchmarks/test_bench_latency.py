@@ -19,8 +19,9 @@ def test_seated_sequences_decode_one_token_a_step(llm):
     free = manager.num_free_blocks
     seqs = bench_latency.seat(llm, 3, 40, max_tokens=100)
     assert manager.num_free_blocks == free - 3 * 3  # 40 tokens: 3 blocks of 16 each
-    arrivals = bench_latency.run_steps(llm, 5)
+    arrivals, waits = bench_latency.run_steps(llm, 5)
     assert len(arrivals) == 5 and arrivals == sorted(arrivals)
+    assert len(waits) == 5 and all(w >= 0 for w in waits)
     for seq in seqs:
         assert len(seq.token_ids) == 45 and seq.num_computed_tokens == 44 and PLACEHOLDER not in seq.token_ids
         llm.abort(seq.request_id)
@@ -31,6 +32,7 @@ def test_decode_case_times_the_steps_and_frees_its_blocks(llm):
     free = llm.scheduler.block_manager.num_free_blocks
     case = bench_latency.decode_case(llm, 2, 100, warmup=1, steps=3, step_room=8)
     assert case["step_ms"] > 0 and case["step_ms_median"] > 0 and case["mean_keys"] == 100 + 1 + 2
+    assert 0 <= case["wait_ms"] <= case["step_ms_median"] * 3
     assert llm.scheduler.block_manager.num_free_blocks == free and not llm.scheduler.running
     assert "skipped" in bench_latency.decode_case(llm, 4, 510, warmup=1, steps=3, step_room=8)  # > max_model_len
     floor = bench_latency.add_floor(case, weights=1000, kv_per_key=10, copy_gbs=1.0)

@@ -42,6 +42,9 @@ _MAX_TILES_SPLIT = 4096  # counters per device: feature tiles a split call may h
 _MAX_SPLITS = 32  # partials the last program's unrolled reduction adds
 _LINE = 128  # bytes an L2 prefetch fetches
 _MAX_PREFETCH_LINES = 2048  # a program's share of the next weight above which none is prefetched (256 KB)
+# Next weights above this are not prefetched: beside the running GEMV's own stream, more than a
+# third of a Hopper L2 (50 MB) would be evicted before its use and read twice.
+_MAX_PREFETCH_BYTES = 16 << 20
 prefetch_enabled = os.environ.get("NANOVLLM_GEMV_PREFETCH", "1") != "0"
 _INTERPRETER_SMS = 4  # no SMs under TRITON_INTERPRET: enough programs to split small test shapes
 _arrivals: dict[int, torch.Tensor] = {}
@@ -193,11 +196,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
 
 def _prefetch_run(prefetch: torch.Tensor | None, programs: int) -> tuple[int, int]:
     """-> (lines of `prefetch`, a program's share of them padded to a power of two), (0, 0)
-    for no prefetch: none asked, turned off, the interpreter (no inline PTX), or a share too
-    large to issue before the kernel's own work (an LM head's)."""
-    if prefetch is None or not prefetch_enabled or dispatch.INTERPRETER or prefetch.numel() == 0:
+    for no prefetch: none asked, turned off, the interpreter (no inline PTX), a tensor larger
+    than _MAX_PREFETCH_BYTES, or a share too large to issue before the kernel's own work."""
+    nbytes = 0 if prefetch is None else prefetch.numel() * prefetch.element_size()
+    if not (prefetch_enabled and 0 < nbytes <= _MAX_PREFETCH_BYTES) or dispatch.INTERPRETER:
         return 0, 0
-    lines = cdiv(prefetch.numel() * prefetch.element_size(), _LINE)
+    lines = cdiv(nbytes, _LINE)
     share = cdiv(lines, programs)
     return (lines, next_power_of_2(share)) if share <= _MAX_PREFETCH_LINES else (0, 0)
 

@@ -154,6 +154,9 @@ def test_prefetch_shares_lines_among_programs_up_to_a_bound(monkeypatch):
     assert gemv._prefetch_run(torch.empty(0), 4) == (0, 0)
     large = torch.empty(1 << 20, dtype=torch.bfloat16)  # 2 MB over 2 programs: shares past _MAX_PREFETCH_LINES
     assert gemv._prefetch_run(large, 2) == (0, 0)
+    assert gemv._prefetch_run(large, 64)[0] == (2 << 20) // 128
+    too_large = torch.empty(gemv._MAX_PREFETCH_BYTES + 128, dtype=torch.uint8)  # more than the L2 can keep aside
+    assert gemv._prefetch_run(too_large, 1 << 20) == (0, 0)
     monkeypatch.setattr(gemv, "prefetch_enabled", False)
     assert gemv._prefetch_run(torch.empty(1000, dtype=torch.bfloat16), 4) == (0, 0)
     monkeypatch.setattr(gemv, "prefetch_enabled", True)

@@ -39,6 +39,10 @@ PROGRAMS_PER_SM = 2
 _BLOCK_N = 64  # the M side of a Hopper wgmma
 _TILE_BYTES = 16 << 10  # weight bytes a program reads per step
 _MAX_TILES_SPLIT = 4096  # counters per device: feature tiles a split call may have
+# Weight tiles a program reads up to which it runs unpipelined: its pipeline's shared memory
+# (3 stages of 16 KB) bought nothing there, and without it decode steps were shorter (H200,
+# same run: Qwen3-0.6B batch 1 1.041 -> 0.990 ms, Qwen3-8B batch 1 4.749 -> 4.600 ms).
+_UNPIPELINED_TILES = 4
 _MAX_SPLITS = 32  # partials the last program's unrolled reduction adds
 _LINE = 128  # bytes an L2 prefetch fetches
 _MAX_PREFETCH_LINES = 2048  # a program's share of the next weight above which none is prefetched (256 KB)
@@ -141,15 +145,19 @@ def _sm_count(device_index: int) -> int:
 
 @functools.cache
 def config_for(n: int, k: int, element_size: int, device_index: int, block_n: int = _BLOCK_N,
-               block_k: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM, num_stages: int = 3) -> Config:
-    """Tiles of _TILE_BYTES of weight; K split as _splits says. The keywords are for
-    benchmarks/bench_gemv.py's sweep."""
+               block_k: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM,
+               num_stages: int | None = None) -> Config:
+    """Tiles of _TILE_BYTES of weight; K split as _splits says. Programs of at most
+    _UNPIPELINED_TILES weight tiles run without a software pipeline (num_stages 1), longer ones
+    with 3 stages. The keywords are for benchmarks/bench_gemv.py's sweep."""
     block_k = block_k or max(16, _TILE_BYTES // (block_n * element_size))
     tiles, k_blocks = cdiv(n, block_n), max(1, cdiv(k, block_k))
     splits = _splits(tiles, k_blocks, programs_per_sm * _sm_count(device_index)) if tiles <= _MAX_TILES_SPLIT else 1
     blocks_per_split = cdiv(k_blocks, splits)
     # A program holds its first tile in registers: more warps for larger tiles.
     num_warps = min(8, max(4, block_n * block_k * element_size // 4096))
+    if num_stages is None:
+        num_stages = 1 if blocks_per_split <= _UNPIPELINED_TILES else 3
     return Config(block_n, block_k, cdiv(k_blocks, blocks_per_split), blocks_per_split * block_k, num_warps,
                   num_stages)
 

@@ -85,6 +85,19 @@ def test_every_k_block_its_own_split_and_counters_left_at_zero(device, dtype):
     assert not gemv._arrival_counters(torch.device(device)).any()
 
 
+def test_short_programs_run_unpipelined():
+    """Up to _UNPIPELINED_TILES weight tiles a program: one stage; longer runs: three."""
+    gemv = _gemv()
+    seen = set()
+    for n, k, per_sm in ((1024, 2048, 64), (4096, 1024, 16), (1024, 2048, 2), (24576, 4096, 2)):
+        config = gemv.config_for(n, k, 2, -1, programs_per_sm=per_sm)
+        tiles = config.k_per_split // config.block_k
+        assert config.num_stages == (1 if tiles <= gemv._UNPIPELINED_TILES else 3), (n, k, config)
+        seen.add(config.num_stages)
+    assert seen == {1, 3}
+    assert gemv.config_for(4096, 1024, 2, -1, num_stages=2).num_stages == 2  # a sweep's choice stands
+
+
 def test_split_count_is_bounded_by_the_unrolled_reduction():
     """However many programs would fit, a call splits K into at most _MAX_SPLITS runs, the
     partials the last program's unrolled reduction adds."""

@@ -14,9 +14,11 @@ Three launches, each reading what it needs once:
   as order-preserving uint32 keys: 4 bits a pass, each pass one 16-bin histogram of the keys
   still level with the k-th, until those are exactly the ones needed. Past 1,024 groups the
   scan's tile keys are selected first, then the groups of the k best tiles (at most 1,024), so
-  that either select holds a few keys a thread. Those k * 32 tokens are ranked with tl.topk,
-  and top-k, min-p and top-p apply to the ranked list; the draw adds noise to those tokens
-  only. Other rows take their best chunk.
+  that either select holds a few keys a thread. The top k tokens lie among the k groups' tokens
+  at or above the least of their maxima: when those are at least k and fit in k_pad slots, they
+  alone are written out, else a radix select of the k * 32 tokens writes exactly the top k;
+  a sort of k_pad keys ranks them. Top-k, min-p and top-p apply to the ranked list; the draw
+  adds noise to those tokens only. Other rows take their best chunk.
   With log-probabilities, log_softmax(x / T)[token] from the chunk sums.
 
 The noise of token t of a row depends on (seed, t) alone: Philox 4x32 (7 rounds, the fewest
@@ -268,14 +270,20 @@ def _split_at_kth(keys, live, k, DIGIT: tl.constexpr):
 
 
 @triton.jit
-def _store_top(keys, live, ids, k, out, DIGIT: tl.constexpr):
-    """Writes to out, in tensor order, the ids of the k live keys first by (key descending,
+def _store_top(keys, live, values, k, out, DIGIT: tl.constexpr):
+    """Writes to out, in tensor order, the values of the k live keys first by (key descending,
     position ascending)."""
     above, level, need = _split_at_kth(keys, live, k, DIGIT)
+    _store_chosen(above, level, need, values, out)
+
+
+@triton.jit
+def _store_chosen(above, level, need, values, out):
+    """Writes to out, in tensor order, the values above and the first need level ones."""
     # running counts of the keys above and level in one scan (each below 2**16)
     before = tl.cumsum(above.to(tl.int32) << 16 | level.to(tl.int32), axis=0)
     chosen = above | (level & ((before & 0xFFFF) <= need))
-    tl.store(out + (before >> 16) + tl.minimum(before & 0xFFFF, need) - 1, ids, mask=chosen)
+    tl.store(out + (before >> 16) + tl.minimum(before & 0xFFFF, need) - 1, values, mask=chosen)
 
 
 @triton.jit
@@ -315,11 +323,48 @@ def _top_groups(group_max_ptr, tile_key_ptr, row, num_groups, gid_row, k, GROUPS
     return tl.minimum(k, GROUPS_PAD)
 
 
+@triton.jit
+def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ranked_row, K_PAD: tl.constexpr,
+                   GROUP: tl.constexpr, DIGIT: tl.constexpr):
+    """-> (x, ids) [K_PAD]: the top k tokens of the chosen groups by (logit desc, id asc) first,
+    then other tokens of the groups or -inf. The chosen groups' maxima are k tokens at or above
+    the least of them, so the top k tokens are among the tokens at or above it: when those are
+    at least k and fit in K_PAD slots (unless many tie, nearly always), they alone are written
+    out and sorted; otherwise a radix select of the chosen groups' tokens (ties by position:
+    ids increase along the tile) writes exactly the top k. Either way a sort of K_PAD keys
+    ranks them, in place of a top-k over K_PAD * GROUP."""
+    slots = tl.arange(0, K_PAD)
+    live_slots = slots < chosen
+    gids = tl.load(gid_row + slots, mask=live_slots, other=0)
+    # the least chosen group maximum (padding groups: -inf, as their tokens)
+    floor = tl.min(tl.where(live_slots, _orderable(tl.load(group_row + gids, mask=live_slots & (gids < num_groups),
+                                                                   other=float("-inf"))), 0xFFFFFFFF), axis=0)
+    ids = gids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(row_ptr + ids, mask=live_slots[:, None] & (ids < vocab), other=float("-inf")).to(tl.float32)
+    live = tl.reshape(tl.broadcast_to(live_slots[:, None], [K_PAD, GROUP]), [K_PAD * GROUP])
+    keys = tl.where(live, tl.reshape(_orderable(x), [K_PAD * GROUP]), 0)
+    # rank by (logit desc, id asc): one uint64 key, the id's complement below the logit's
+    ids = tl.reshape(ids, [K_PAD * GROUP])
+    ranking = keys.to(tl.uint64) << 32 | (ids.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
+    above = live & (keys >= floor)
+    count = tl.sum(above.to(tl.int32), axis=0)
+    if (count >= k) & (count <= K_PAD):
+        _store_chosen(above, tl.zeros_like(above), 0, ranking, ranked_row)
+    else:
+        _store_top(keys, live, ranking, k, ranked_row, DIGIT)
+        count = k
+    tl.debug_barrier()  # the keys written above, read back by other threads
+    # empty slots: -inf, below every token
+    ranked = tl.load(ranked_row + slots, mask=slots < count, other=0x7FFFFF << 32).to(tl.uint64, bitcast=True)
+    ranked = tl.sort(ranked, descending=True)
+    return _unorder((ranked >> 32).to(tl.uint32)), ((ranked & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
+
+
 @fast_launch
 @triton.jit
 def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
                      best_ptr, index_ptr, max_ptr, sum_ptr, num_chunks, group_max_ptr, num_groups, tile_key_ptr,
-                     gid_ptr, tokens_ptr, logprobs_ptr,
+                     gid_ptr, ranked_ptr, tokens_ptr, logprobs_ptr,
                      HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
                      LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, CHUNKS: tl.constexpr,
                      GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr, DIGIT: tl.constexpr,
@@ -343,15 +388,8 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
                                  DIGIT)
             tl.debug_barrier()  # the group ids written above, read back by other threads
             slots = tl.arange(0, K_PAD)
-            gids = tl.load(gid_row + slots, mask=slots < chosen, other=0)
-            ids = gids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-            valid = (slots < chosen)[:, None] & (ids < vocab)
-            x = tl.load(row_ptr + ids, mask=valid, other=float("-inf")).to(tl.float32)
-            # rank by (logit desc, id asc): one uint64 key, the id's complement below the logit's
-            ranked = tl.topk(tl.reshape((_orderable(x).to(tl.uint64) << 32) | (ids.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64),
-                                        [K_PAD * GROUP]), K_PAD)
-            x = _unorder((ranked >> 32).to(tl.uint32))
-            ids = ((ranked & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
+            x, ids = _ranked_tokens(row_ptr, vocab, group_max_ptr + row.to(tl.int64) * num_groups, num_groups,
+                                    gid_row, chosen, k, ranked_ptr + row * K_PAD, K_PAD, GROUP, DIGIT)
             z = (x - tl.max(x, axis=0)) / temperature  # log(p / p_max)
             keep = (slots < k) & (x > float("-inf"))
             if HAS_MIN_P:
@@ -405,10 +443,11 @@ class SampleLaunches:
         _finalize_kernel[(rows,)](
             logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
             buffers["max"], buffers["sum"], buffers["chunks"], buffers["group_max"], buffers["groups"],
-            buffers["tile_keys"], buffers["gids"], tokens, logprobs, **_has(filters), LOGPROBS=logprobs is not None,
-            GROUPS=groups, CHUNKS=next_power_of_2(buffers["chunks"]), GROUPS_PAD=next_power_of_2(buffers["groups"]),
-            K_PAD=k_pad, TILE=buffers["tile"], DIGIT=RADIX_BITS, GROUP=GROUP, NOISE_BLOCK=noise_block(vocab),
-            ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8 if groups else 4,
+            buffers["tile_keys"], buffers["gids"], buffers["ranked"], tokens, logprobs, **_has(filters),
+            LOGPROBS=logprobs is not None, GROUPS=groups, CHUNKS=next_power_of_2(buffers["chunks"]),
+            GROUPS_PAD=next_power_of_2(buffers["groups"]), K_PAD=k_pad, TILE=buffers["tile"], DIGIT=RADIX_BITS,
+            GROUP=GROUP, NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E,
+            num_warps=8 if groups else 4,
             **dependent_launch(logits.get_device()))
 
 
@@ -452,7 +491,8 @@ def _buffers(num_rows: int, vocab: int, k_pad: int, device) -> dict:
     return dict(chunks=chunks, groups=groups, best=empty(num_rows, chunks), index=empty(num_rows, chunks, dtype=torch.int32),
                 max=empty(num_rows, chunks), sum=empty(num_rows, chunks), group_max=empty(num_rows, groups),
                 tile=tile, tile_keys=empty(num_rows, cdiv(groups, tile) if tile else 1, dtype=torch.int32),
-                gids=empty(num_rows, max(k_pad, 1), dtype=torch.int32))
+                gids=empty(num_rows, max(k_pad, 1), dtype=torch.int32),
+                ranked=empty(num_rows, max(k_pad, 1), dtype=torch.int64))
 
 
 def _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches):

@@ -4,17 +4,21 @@ greedy rows in the same batch, and the chosen token's log-probability.
 Three launches, each reading what it needs once:
 - scan (rows x 4,096-token chunks): the one full read of the logits. Per chunk: its max, its
   sum of exp((x - max) / T) when log-probabilities are asked, its argmax, with Gumbel noise for
-  rows that sample without filters, and for filtering rows the max of every 32-token group.
+  rows that sample without filters, and for filtering rows the max of every 32-token group and,
+  past 1,024 groups, the largest key (below) of every tile of min(1,024 / k_pad, 32) groups
+  (k_pad: max_top_k rounded up to a power of two).
 - min_p_draw (rows x chunks, launched only with min_ps): rows with min-p and no top-k / top-p
   draw again over their chunk, among tokens with (x - max) / T >= log(min_p).
 - finalize (one program a row): rows with top-k / top-p pick the k groups holding the top k
   tokens (ranked by logit, ties by lower token id) by a radix select over their group maxima
   as order-preserving uint32 keys: 4 bits a pass, each pass one 16-bin histogram of the keys
   still level with the k-th, until those are exactly the ones needed. Past 1,024 groups the
-  maxima of tiles of 1,024 / k_pad groups (k_pad: max_top_k rounded up to a power of two) are
-  selected first, then the groups of the k best tiles, so that either select holds a few keys
-  a thread. Those k * 32 tokens are ranked with tl.topk, and top-k, min-p and top-p apply to
-  the ranked list; the draw adds noise to those tokens only. Other rows take their best chunk.
+  scan's tile keys are selected first, then the groups of the k best tiles (at most 1,024), so
+  that either select holds a few keys a thread. The top k tokens lie among the k groups' tokens
+  at or above the least of their maxima: when those are at least k and fit in k_pad slots, they
+  alone are written out, else a radix select of the k * 32 tokens writes exactly the top k;
+  a sort of k_pad keys ranks them. Top-k, min-p and top-p apply to the ranked list; the draw
+  adds noise to those tokens only. Other rows take their best chunk.
   With log-probabilities, log_softmax(x / T)[token] from the chunk sums.
 
 The noise of token t of a row depends on (seed, t) alone: Philox 4x32 (7 rounds, the fewest
@@ -91,12 +95,13 @@ def _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_pt
 @fast_launch
 @triton.jit
 def _scan_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
-                 best_ptr, index_ptr, max_ptr, sum_ptr, group_max_ptr, num_groups,
+                 best_ptr, index_ptr, max_ptr, sum_ptr, group_max_ptr, num_groups, tile_key_ptr,
                  HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                 LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, NOISE_BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                 ROUNDS: tl.constexpr, U_MAX: tl.constexpr, LOG2E: tl.constexpr, PDL: tl.constexpr):
-    """Loads its chunk as four [NOISE_BLOCK / GROUP, GROUP] tiles (one row of a tile is one
-    group); tile i takes output i of the Philox calls at counters base + [0, NOISE_BLOCK)."""
+                 LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, TILE: tl.constexpr, NOISE_BLOCK: tl.constexpr,
+                 GROUP: tl.constexpr, ROUNDS: tl.constexpr, U_MAX: tl.constexpr, LOG2E: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Loads its chunk as four [NOISE_BLOCK / GROUP, GROUP] blocks (one row of a block is one
+    group); block i takes output i of the Philox calls at counters base + [0, NOISE_BLOCK)."""
     await_previous_kernel(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     temperature, top_k, top_p, min_p = _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr,
@@ -124,6 +129,9 @@ def _scan_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top
                  mask=groups + 2 * (NOISE_BLOCK // GROUP) < num_groups)
         tl.store(group_row + groups + 3 * (NOISE_BLOCK // GROUP), g3,
                  mask=groups + 3 * (NOISE_BLOCK // GROUP) < num_groups)
+        if TILE > 0:
+            _tile_keys(g0, g1, g2, g3, chunk * (4 * NOISE_BLOCK // GROUP), num_groups,
+                       tile_key_ptr + row.to(tl.int64) * tl.cdiv(num_groups, TILE), TILE)
     if LOGPROBS:
         # log-probabilities of greedy rows are those of the logits as they are (T = 1)
         scale = LOG2E / tl.where(temperature > 0, temperature, 1.0)
@@ -145,6 +153,26 @@ def _scan_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top
     top = tl.max(tl.max(best, axis=1), axis=0)
     tl.store(best_ptr + slot, top)
     tl.store(index_ptr + slot, tl.min(tl.min(tl.where(best == top, best_index, vocab), axis=1), axis=0))
+
+
+@triton.jit
+def _tile_keys(g0, g1, g2, g3, first, num_groups, tile_row, TILE: tl.constexpr):
+    """Stores the largest finalize key (_orderable) of every TILE groups of the chunk's four
+    blocks of group maxima g0..g3 (groups first + [0, 4n)), keying groups past the row's
+    count 0 as the finalize's select does. The four blocks join as the columns of one [n, 4]
+    tensor, so that one cross-warp reduction serves them all."""
+    n: tl.constexpr = g0.shape[0]
+    groups = first + tl.arange(0, n)
+    keys = tl.join(tl.join(_keys_of(g0, groups, num_groups), _keys_of(g2, groups + 2 * n, num_groups)),
+                   tl.join(_keys_of(g1, groups + n, num_groups), _keys_of(g3, groups + 3 * n, num_groups)))
+    keys = tl.max(tl.reshape(keys, [n // TILE, TILE, 4]), axis=1)
+    tiles = first // TILE + tl.arange(0, 4)[None, :] * (n // TILE) + tl.arange(0, n // TILE)[:, None]
+    tl.store(tile_row + tiles, keys.to(tl.int32, bitcast=True), mask=tiles * TILE < num_groups)
+
+
+@triton.jit
+def _keys_of(maxima, groups, num_groups):
+    return tl.where(groups < num_groups, _orderable(maxima), 0)
 
 
 @triton.jit
@@ -242,14 +270,20 @@ def _split_at_kth(keys, live, k, DIGIT: tl.constexpr):
 
 
 @triton.jit
-def _store_top(keys, live, ids, k, out, DIGIT: tl.constexpr):
-    """Writes to out, in tensor order, the ids of the k live keys first by (key descending,
+def _store_top(keys, live, values, k, out, DIGIT: tl.constexpr):
+    """Writes to out, in tensor order, the values of the k live keys first by (key descending,
     position ascending)."""
     above, level, need = _split_at_kth(keys, live, k, DIGIT)
+    _store_chosen(above, level, need, values, out)
+
+
+@triton.jit
+def _store_chosen(above, level, need, values, out):
+    """Writes to out, in tensor order, the values above and the first need level ones."""
     # running counts of the keys above and level in one scan (each below 2**16)
     before = tl.cumsum(above.to(tl.int32) << 16 | level.to(tl.int32), axis=0)
     chosen = above | (level & ((before & 0xFFFF) <= need))
-    tl.store(out + (before >> 16) + tl.minimum(before & 0xFFFF, need) - 1, ids, mask=chosen)
+    tl.store(out + (before >> 16) + tl.minimum(before & 0xFFFF, need) - 1, values, mask=chosen)
 
 
 @triton.jit
@@ -259,21 +293,21 @@ def _group_keys(group_row, gids, live):
 
 
 @triton.jit
-def _top_groups(group_row, num_groups, gid_row, k, GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                TILE: tl.constexpr, DIGIT: tl.constexpr):
+def _top_groups(group_max_ptr, tile_key_ptr, row, num_groups, gid_row, k, GROUPS_PAD: tl.constexpr,
+                K_PAD: tl.constexpr, TILE: tl.constexpr, DIGIT: tl.constexpr):
     """Writes to gid_row the ids, in increasing order, of the min(k, groups) groups first by
     (group max descending, id ascending): they hold the row's top k tokens, since groups are
     runs of consecutive ids. Padding ids (>= num_groups) rank below every group and fill the
-    slots past num_groups. Past K_PAD * TILE groups, the groups are ranked only within the k
-    tiles of TILE groups first by (tile max descending, id ascending): a group outside those
-    has k tile maxima, so k groups, ahead of it."""
+    slots past num_groups. With TILE > 0 the groups are ranked only within the k tiles of TILE
+    groups first by (tile key descending, id ascending), from the scan's tile keys: a group
+    outside those has k tile maxima, so k groups, ahead of it."""
     top = tl.minimum(k, num_groups)
-    if GROUPS_PAD > K_PAD * TILE:  # so over K_PAD * TILE groups: more than k tiles are live
+    if TILE > 0:
         tiles = tl.arange(0, GROUPS_PAD // TILE)
-        gids = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
-        # every lane of a warp holds the maxima the reduction leaves: gathered, one lane has each
-        tile_keys = tl.gather(tl.max(_group_keys(group_row, gids, gids < num_groups), axis=1), tiles, 0)
-        _store_top(tile_keys, tiles < tl.cdiv(num_groups, TILE), tiles, top, gid_row, DIGIT)
+        live = tiles < tl.cdiv(num_groups, TILE)
+        tile_row = tile_key_ptr + row.to(tl.int64) * tl.cdiv(num_groups, TILE)
+        tile_keys = tl.load(tile_row + tiles, mask=live, other=0).to(tl.uint32, bitcast=True)
+        _store_top(tile_keys, live, tiles, top, gid_row, DIGIT)
         tl.debug_barrier()  # the tile ids written above, read back by other threads
         spots = tl.arange(0, K_PAD * TILE)
         gids = tl.load(gid_row + spots // TILE, mask=spots // TILE < top, other=0) * TILE + spots % TILE
@@ -282,17 +316,55 @@ def _top_groups(group_row, num_groups, gid_row, k, GROUPS_PAD: tl.constexpr, K_P
     else:
         gids = tl.arange(0, GROUPS_PAD)
         live = gids < num_groups
-    _store_top(_group_keys(group_row, gids, live), live, gids, top, gid_row, DIGIT)
+    _store_top(_group_keys(group_max_ptr + row.to(tl.int64) * num_groups, gids, live), live, gids, top, gid_row,
+               DIGIT)
     pads = tl.arange(0, K_PAD)
     tl.store(gid_row + pads, pads, mask=(pads >= num_groups) & (pads < tl.minimum(k, GROUPS_PAD)))
     return tl.minimum(k, GROUPS_PAD)
 
 
+@triton.jit
+def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ranked_row, K_PAD: tl.constexpr,
+                   GROUP: tl.constexpr, DIGIT: tl.constexpr):
+    """-> (x, ids) [K_PAD]: the top k tokens of the chosen groups by (logit desc, id asc) first,
+    then other tokens of the groups or -inf. The chosen groups' maxima are k tokens at or above
+    the least of them, so the top k tokens are among the tokens at or above it: when those are
+    at least k and fit in K_PAD slots (unless many tie, nearly always), they alone are written
+    out and sorted; otherwise a radix select of the chosen groups' tokens (ties by position:
+    ids increase along the tile) writes exactly the top k. Either way a sort of K_PAD keys
+    ranks them, in place of a top-k over K_PAD * GROUP."""
+    slots = tl.arange(0, K_PAD)
+    live_slots = slots < chosen
+    gids = tl.load(gid_row + slots, mask=live_slots, other=0)
+    # the least chosen group maximum (padding groups: -inf, as their tokens)
+    floor = tl.min(tl.where(live_slots, _orderable(tl.load(group_row + gids, mask=live_slots & (gids < num_groups),
+                                                                   other=float("-inf"))), 0xFFFFFFFF), axis=0)
+    ids = gids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(row_ptr + ids, mask=live_slots[:, None] & (ids < vocab), other=float("-inf")).to(tl.float32)
+    live = tl.reshape(tl.broadcast_to(live_slots[:, None], [K_PAD, GROUP]), [K_PAD * GROUP])
+    keys = tl.where(live, tl.reshape(_orderable(x), [K_PAD * GROUP]), 0)
+    # rank by (logit desc, id asc): one uint64 key, the id's complement below the logit's
+    ids = tl.reshape(ids, [K_PAD * GROUP])
+    ranking = keys.to(tl.uint64) << 32 | (ids.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
+    above = live & (keys >= floor)
+    count = tl.sum(above.to(tl.int32), axis=0)
+    if (count >= k) & (count <= K_PAD):
+        _store_chosen(above, tl.zeros_like(above), 0, ranking, ranked_row)
+    else:
+        _store_top(keys, live, ranking, k, ranked_row, DIGIT)
+        count = k
+    tl.debug_barrier()  # the keys written above, read back by other threads
+    # empty slots: -inf, below every token
+    ranked = tl.load(ranked_row + slots, mask=slots < count, other=0x7FFFFF << 32).to(tl.uint64, bitcast=True)
+    ranked = tl.sort(ranked, descending=True)
+    return _unorder((ranked >> 32).to(tl.uint32)), ((ranked & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
+
+
 @fast_launch
 @triton.jit
 def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
-                     best_ptr, index_ptr, max_ptr, sum_ptr, num_chunks, group_max_ptr, num_groups, gid_ptr,
-                     tokens_ptr, logprobs_ptr,
+                     best_ptr, index_ptr, max_ptr, sum_ptr, num_chunks, group_max_ptr, num_groups, tile_key_ptr,
+                     gid_ptr, ranked_ptr, tokens_ptr, logprobs_ptr,
                      HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
                      LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, CHUNKS: tl.constexpr,
                      GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr, DIGIT: tl.constexpr,
@@ -312,19 +384,12 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
         if (temperature > 0) & ((top_k > 0) | (top_p < 1)):
             k = tl.where(top_k > 0, tl.minimum(top_k, K_PAD), K_PAD)
             gid_row = gid_ptr + row * K_PAD
-            chosen = _top_groups(group_max_ptr + row.to(tl.int64) * num_groups, num_groups, gid_row, k,
-                                 GROUPS_PAD, K_PAD, TILE, DIGIT)
+            chosen = _top_groups(group_max_ptr, tile_key_ptr, row, num_groups, gid_row, k, GROUPS_PAD, K_PAD, TILE,
+                                 DIGIT)
             tl.debug_barrier()  # the group ids written above, read back by other threads
             slots = tl.arange(0, K_PAD)
-            gids = tl.load(gid_row + slots, mask=slots < chosen, other=0)
-            ids = gids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-            valid = (slots < chosen)[:, None] & (ids < vocab)
-            x = tl.load(row_ptr + ids, mask=valid, other=float("-inf")).to(tl.float32)
-            # rank by (logit desc, id asc): one uint64 key, the id's complement below the logit's
-            ranked = tl.topk(tl.reshape((_orderable(x).to(tl.uint64) << 32) | (ids.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64),
-                                        [K_PAD * GROUP]), K_PAD)
-            x = _unorder((ranked >> 32).to(tl.uint32))
-            ids = ((ranked & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
+            x, ids = _ranked_tokens(row_ptr, vocab, group_max_ptr + row.to(tl.int64) * num_groups, num_groups,
+                                    gid_row, chosen, k, ranked_ptr + row * K_PAD, K_PAD, GROUP, DIGIT)
             z = (x - tl.max(x, axis=0)) / temperature  # log(p / p_max)
             keep = (slots < k) & (x > float("-inf"))
             if HAS_MIN_P:
@@ -357,8 +422,9 @@ class SampleLaunches:
         rows, vocab = logits.shape
         _scan_kernel[(rows, buffers["chunks"])](
             logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
-            buffers["max"], buffers["sum"], buffers["group_max"], buffers["groups"],
-            **_has(filters), LOGPROBS=logprobs, GROUPS=groups, NOISE_BLOCK=noise_block(vocab), GROUP=GROUP,
+            buffers["max"], buffers["sum"], buffers["group_max"], buffers["groups"], buffers["tile_keys"],
+            **_has(filters), LOGPROBS=logprobs, GROUPS=groups, TILE=buffers["tile"], NOISE_BLOCK=noise_block(vocab),
+            GROUP=GROUP,
             ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8, **dependent_launch(logits.get_device()))
 
     def min_p_draw(self, logits, temperatures, seeds, filters, buffers):
@@ -377,10 +443,11 @@ class SampleLaunches:
         _finalize_kernel[(rows,)](
             logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
             buffers["max"], buffers["sum"], buffers["chunks"], buffers["group_max"], buffers["groups"],
-            buffers["gids"], tokens, logprobs, **_has(filters), LOGPROBS=logprobs is not None, GROUPS=groups,
-            CHUNKS=next_power_of_2(buffers["chunks"]), GROUPS_PAD=next_power_of_2(buffers["groups"]),
-            K_PAD=k_pad, TILE=max(1, SELECT // k_pad), DIGIT=RADIX_BITS, GROUP=GROUP, NOISE_BLOCK=noise_block(vocab),
-            ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8 if groups else 4,
+            buffers["tile_keys"], buffers["gids"], buffers["ranked"], tokens, logprobs, **_has(filters),
+            LOGPROBS=logprobs is not None, GROUPS=groups, CHUNKS=next_power_of_2(buffers["chunks"]),
+            GROUPS_PAD=next_power_of_2(buffers["groups"]), K_PAD=k_pad, TILE=buffers["tile"], DIGIT=RADIX_BITS,
+            GROUP=GROUP, NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E,
+            num_warps=8 if groups else 4,
             **dependent_launch(logits.get_device()))
 
 
@@ -417,10 +484,15 @@ def sample(logits, temperatures, seeds, top_ks=None, top_ps=None, min_ps=None, m
 def _buffers(num_rows: int, vocab: int, k_pad: int, device) -> dict:
     chunks = cdiv(vocab, 4 * noise_block(vocab))
     groups = cdiv(vocab, GROUP) if k_pad else 1
+    # past SELECT groups the scan also keeps tiles' maxima: at most SELECT groups in the k best
+    # tiles, and a tile within one of its NOISE_BLOCK-token blocks
+    tile = min(SELECT // k_pad, noise_block(vocab) // GROUP) if groups > SELECT else 0
     empty = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device=device)  # noqa: E731
     return dict(chunks=chunks, groups=groups, best=empty(num_rows, chunks), index=empty(num_rows, chunks, dtype=torch.int32),
                 max=empty(num_rows, chunks), sum=empty(num_rows, chunks), group_max=empty(num_rows, groups),
-                gids=empty(num_rows, max(k_pad, 1), dtype=torch.int32))
+                tile=tile, tile_keys=empty(num_rows, cdiv(groups, tile) if tile else 1, dtype=torch.int32),
+                gids=empty(num_rows, max(k_pad, 1), dtype=torch.int32),
+                ranked=empty(num_rows, max(k_pad, 1), dtype=torch.int64))
 
 
 def _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches):

@@ -351,8 +351,8 @@ def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ra
     if (count >= k) & (count <= K_PAD):
         _store_chosen(above, tl.zeros_like(above), 0, ranking, ranked_row)
     else:
-        _store_top(keys, live, ranking, k, ranked_row, DIGIT)
-        count = k
+        count = tl.minimum(k, chosen * GROUP)  # all the groups' tokens where those are fewer than k
+        _store_top(keys, live, ranking, count, ranked_row, DIGIT)
     tl.debug_barrier()  # the keys written above, read back by other threads
     # empty slots: -inf, below every token
     ranked = tl.load(ranked_row + slots, mask=slots < count, other=0x7FFFFF << 32).to(tl.uint64, bitcast=True)

@@ -331,8 +331,8 @@ def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ra
     the least of them, so the top k tokens are among the tokens at or above it: when those are
     at least k and fit in K_PAD slots (unless many tie, nearly always), they alone are written
     out and sorted; otherwise a radix select of the chosen groups' tokens (ties by position:
-    ids increase along the tile) writes exactly the top k. Either way a sort of K_PAD keys
-    ranks them, in place of a top-k over K_PAD * GROUP."""
+    ids increase along the tile) writes exactly the top k, or all of them where fewer. Either
+    way a sort of K_PAD keys ranks them, in place of a top-k over K_PAD * GROUP."""
     slots = tl.arange(0, K_PAD)
     live_slots = slots < chosen
     gids = tl.load(gid_row + slots, mask=live_slots, other=0)
@@ -351,8 +351,8 @@ def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ra
     if (count >= k) & (count <= K_PAD):
         _store_chosen(above, tl.zeros_like(above), 0, ranking, ranked_row)
     else:
-        _store_top(keys, live, ranking, k, ranked_row, DIGIT)
-        count = k
+        count = tl.minimum(k, chosen * GROUP)  # all the groups' tokens where those are fewer than k
+        _store_top(keys, live, ranking, count, ranked_row, DIGIT)
     tl.debug_barrier()  # the keys written above, read back by other threads
     # empty slots: -inf, below every token
     ranked = tl.load(ranked_row + slots, mask=slots < count, other=0x7FFFFF << 32).to(tl.uint64, bitcast=True)

@@ -304,6 +304,30 @@ def test_group_selection_takes_the_first_groups_by_max_then_id(target, vocab, se
     assert tokens.cpu().tolist() == replay(x, temperatures, seeds, bounded, top_ps).tolist()
 
 
+class PoisonedRanking(sampling.SampleLaunches):
+    """Fills the finalize's ranking scratch with keys of +inf logits first, so that a slot read
+    back without being written draws token -1."""
+
+    def finalize(self, logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad):
+        buffers["ranked"].fill_((0xFF800000 << 32) - (1 << 64))
+        super().finalize(logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad)
+
+
+@pytest.mark.parametrize("target", kernel_targets()[:2])
+@pytest.mark.parametrize("vocab", [40, 5000])
+def test_the_finalize_ranks_only_the_tokens_it_wrote(target, vocab):
+    """max_top_k = 100: 40 tokens hold fewer than k, so a radix select writes all of them;
+    5,000 tokens write the tokens at or above the k-th group maximum, or the top k where ties
+    pass 128."""
+    device, _ = implementation(target)
+    torch.manual_seed(vocab)
+    x, temperatures, seeds, top_ks, top_ps, min_ps = mixed_batch(vocab, device)
+    top_ks[1] = 100
+    tokens, _ = sampling.sample(x, temperatures, seeds, top_ks, top_ps, min_ps, max_top_k=100,
+                                launches=PoisonedRanking())
+    assert tokens.cpu().tolist() == replay(x, temperatures, seeds, top_ks, top_ps, min_ps).tolist()
+
+
 @pytest.mark.parametrize("target", kernel_targets())
 def test_a_bound_of_one_token_is_greedy(target):
     device, sample = implementation(target)

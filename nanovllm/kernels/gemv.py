@@ -90,8 +90,8 @@ def _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS: t
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, next_ptr, next_lines, M, N, K,
                  x_row_stride, w_row_stride, k_per_split,
                  HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, UPCAST: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """The output as [BLOCK_N features, BLOCK_M tokens] = W tile @ x^T tile: the weight is the
     wide operand. Masks compare with K, not the split's end: splits start at multiples of
     BLOCK_K, and a K divisible by 16 keeps the loads vectorised."""
@@ -168,7 +168,8 @@ def _splits(tiles: int, k_blocks: int, slots: int) -> int:
     one block's worth of fixed cost (start, epilogue, partials; an estimate). Qwen3-0.6B's
     qkv at one row: 64 tiles of 8 blocks in 4 runs, one wave of 256 programs; Qwen3-8B's
     gate_up: 384 tiles of 32 blocks in 2 runs, 3 waves, against 2 waves of 32 unsplit."""
-    return min(range(1, min(k_blocks, _MAX_SPLITS) + 1), key=lambda s: (cdiv(tiles * s, slots) * (cdiv(k_blocks, s) + 1), s))
+    return min(range(1, min(k_blocks, _MAX_SPLITS) + 1),
+               key=lambda s: (cdiv(tiles * s, slots) * (cdiv(k_blocks, s) + 1), s))
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:

@@ -469,7 +469,7 @@ def sample(logits, temperatures, seeds, top_ks=None, top_ps=None, min_ps=None, m
         return _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches)
     rows = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = rows.shape
-    k_pad = next_power_of_2(max(bound, 2)) if filtering else 0  # tl.topk needs k >= 2
+    k_pad = next_power_of_2(max(bound, 2)) if filtering else 0  # >= 2: the smallest the sort is tested at on GPUs
     buffers = _buffers(num_rows, vocab, k_pad, rows.device)
     filters = (top_ks, top_ps, min_ps)
     launches.scan(rows, temperatures, seeds, filters, buffers, logprobs, groups=filtering)

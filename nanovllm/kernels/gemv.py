@@ -34,7 +34,8 @@ from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fas
 
 MAX_ROWS = 16  # rows of x a call serves: one tl.dot tile
 # Two resident programs an SM: 3 pipeline stages of 16 KB weight tiles take 80 KB of shared
-# memory a program (sm_90 build), and a wave of them holds more bytes in flight than HBM needs.
+# memory a pipelined program (sm_90 build), and a wave of them holds more bytes in flight than
+# HBM needs.
 PROGRAMS_PER_SM = 2
 _BLOCK_N = 64  # the M side of a Hopper wgmma
 _TILE_BYTES = 16 << 10  # weight bytes a program reads per step

@@ -163,16 +163,17 @@ def _tile_keys(g0, g1, g2, g3, first, num_groups, tile_row, TILE: tl.constexpr):
     tensor, so that one cross-warp reduction serves them all."""
     n: tl.constexpr = g0.shape[0]
     groups = first + tl.arange(0, n)
-    keys = tl.join(tl.join(_keys_of(g0, groups, num_groups), _keys_of(g2, groups + 2 * n, num_groups)),
-                   tl.join(_keys_of(g1, groups + n, num_groups), _keys_of(g3, groups + 3 * n, num_groups)))
+    keys = tl.join(tl.join(_keys_of(g0, groups < num_groups), _keys_of(g2, groups + 2 * n < num_groups)),
+                   tl.join(_keys_of(g1, groups + n < num_groups), _keys_of(g3, groups + 3 * n < num_groups)))
     keys = tl.max(tl.reshape(keys, [n // TILE, TILE, 4]), axis=1)
     tiles = first // TILE + tl.arange(0, 4)[None, :] * (n // TILE) + tl.arange(0, n // TILE)[:, None]
     tl.store(tile_row + tiles, keys.to(tl.int32, bitcast=True), mask=tiles * TILE < num_groups)
 
 
 @triton.jit
-def _keys_of(maxima, groups, num_groups):
-    return tl.where(groups < num_groups, _orderable(maxima), 0)
+def _keys_of(maxima, live):
+    """Order-preserving uint32 keys of group maxima; 0, the lowest, where not live."""
+    return tl.where(live, _orderable(maxima), 0)
 
 
 @triton.jit
@@ -288,8 +289,8 @@ def _store_chosen(above, level, need, values, out):
 
 @triton.jit
 def _group_keys(group_row, gids, live):
-    """Order-preserving uint32 keys of the group maxima; 0, the lowest, where not live."""
-    return tl.where(live, _orderable(tl.load(group_row + gids, mask=live, other=0.0)), 0)
+    """_keys_of the row's group maxima gids."""
+    return _keys_of(tl.load(group_row + gids, mask=live, other=0.0), live)
 
 
 @triton.jit
@@ -424,8 +425,8 @@ class SampleLaunches:
             logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
             buffers["max"], buffers["sum"], buffers["group_max"], buffers["groups"], buffers["tile_keys"],
             **_has(filters), LOGPROBS=logprobs, GROUPS=groups, TILE=buffers["tile"], NOISE_BLOCK=noise_block(vocab),
-            GROUP=GROUP,
-            ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8, **dependent_launch(logits.get_device()))
+            GROUP=GROUP, ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8,
+            **dependent_launch(logits.get_device()))
 
     def min_p_draw(self, logits, temperatures, seeds, filters, buffers):
         rows, vocab = logits.shape
@@ -447,8 +448,7 @@ class SampleLaunches:
             LOGPROBS=logprobs is not None, GROUPS=groups, CHUNKS=next_power_of_2(buffers["chunks"]),
             GROUPS_PAD=next_power_of_2(buffers["groups"]), K_PAD=k_pad, TILE=buffers["tile"], DIGIT=RADIX_BITS,
             GROUP=GROUP, NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E,
-            num_warps=8 if groups else 4,
-            **dependent_launch(logits.get_device()))
+            num_warps=8 if groups else 4, **dependent_launch(logits.get_device()))
 
 
 def noise_block(vocab: int) -> int:

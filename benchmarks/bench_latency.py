@@ -37,7 +37,9 @@ two steps' sampled tokens to the host. Printed: its kernel count; kernel time, t
 kernel durations (with programmatic dependent launch a kernel starts while its predecessor
 runs and its duration includes that wait, so the sum can exceed the busy time); busy time,
 the union of all kernels and copies; gap time, the step minus busy time: the GPU idle
-between its activities; the largest gaps and the kernels that take the most time.
+between its activities; the largest gaps and the kernels that take the most time. Per kernel
+name, the busy time it adds: how far each kernel's end reaches past the latest end before it,
+summed; what the step would lose with those kernels gone and nothing else moving.
 
 NANOVLLM_GEMV=0 runs the projections and the LM head on cuBLAS instead of the Triton GEMV;
 the JSON records which. Without a GPU (a smoke run of the logic):
@@ -250,13 +252,16 @@ def decode_steps(activity: list[dict]) -> list[dict]:
                 idle.append((e["ts"] - reach, previous, e["name"]))
             if e["ts"] + e["dur"] > reach:
                 reach, previous = e["ts"] + e["dur"], e["name"]
-        by_name = Counter()
+        by_name, critical, reach = Counter(), Counter(), start
         for e in launched:
             by_name[e["name"]] += e["dur"]
+            critical[e["name"]] += max(0.0, e["ts"] + e["dur"] - max(reach, e["ts"]))
+            reach = max(reach, e["ts"] + e["dur"])
         steps.append({"step_us": end - start, "kernels": len(launched), "kernel_us": sum(e["dur"] for e in launched),
                       "busy_us": busy, "gap_us": end - start - busy, "gaps": len(idle),
                       "largest_gaps": [{"us": us, "after": a, "before": b} for us, a, b in sorted(idle, reverse=True)[:8]],
                       "kernel_us_by_name": dict(by_name.most_common(12)),
+                      "critical_us_by_name": dict(critical.most_common(12)),
                       "kernel_count_by_name": dict(Counter(e["name"] for e in launched).most_common(12))})
     return steps
 
@@ -294,9 +299,10 @@ def print_profile(profile: dict) -> None:
     print(f"one batch-1 decode step at context {profile['context']} (median of {len(profile['steps'])}): "
           f"{step['step_us']:.0f} us, {step['kernels']} kernels, kernel time {step['kernel_us']:.0f} us, "
           f"GPU busy {step['busy_us']:.0f} us, gaps {step['gap_us']:.0f} us in {step['gaps']} gaps")
-    print("  kernel time by kernel (us, count):")
+    print("  kernel time and busy time added by kernel (us, count):")
     for name, us in step["kernel_us_by_name"].items():
-        print(f"    {us:8.1f} {step['kernel_count_by_name'].get(name, ''):>5}  {name[:100]}")
+        print(f"    {us:8.1f} {step['critical_us_by_name'].get(name, 0):8.1f} "
+              f"{step['kernel_count_by_name'].get(name, ''):>5}  {name[:90]}")
     print("  largest gaps (us, after -> before):")
     for gap in step["largest_gaps"]:
         print(f"    {gap['us']:8.1f}  {gap['after'][:50]} -> {gap['before'][:50]}")

@@ -1,6 +1,7 @@
-"""small_batch_linear (nanovllm/kernels/gemv.py) against F.linear in float64, on both of its
-paths (one program per feature tile, and split-K with the last program reducing), and
-kernels.linear's choice between it and F.linear. Tolerances: kernel_testing.TOLERANCE."""
+"""small_batch_linear (nanovllm/kernels/gemv.py) against F.linear in float64, on each of its
+paths (one row: a program a few features of all of K; several rows: one program per feature
+tile, or split-K with the last program reducing), and kernels.linear's choice between it and
+F.linear. Tolerances: kernel_testing.TOLERANCE."""
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,39 @@ def test_matches_float64(device, dtype, rows, n, k, splits, with_bias):
     x, weight = randn(rows, k, dtype=dtype, device=device), randn(n, k, dtype=dtype, device=device)
     bias = randn(n, dtype=dtype, device=device) if with_bias else None
     _check(x, weight, bias, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("n,k,with_bias", [(77, 300, True), (1030, 2047, False), (5, 8000, True)])
+def test_one_row_on_both_kernels(device, dtype, n, k, with_bias, monkeypatch):
+    """One row goes to the row kernel where a program's rows of the weight fit its budget
+    (K = 8000 in fp32 does not: the split-K kernel takes it), and the split-K kernel gives
+    the same result within tolerance."""
+    require_triton(device)
+    gemv = _gemv()
+    x, weight = randn(1, k, dtype=dtype, device=device), randn(n, k, dtype=dtype, device=device)
+    bias = randn(n, dtype=dtype, device=device) if with_bias else None
+    block = gemv.row_config(n, k, x.element_size(), _device_index(device))
+    assert (block is None) == (k * x.element_size() > gemv._ROW_PROGRAM_BYTES)
+    _check(x, weight, bias, dtype)
+    monkeypatch.setattr(gemv, "row_kernel_enabled", False)
+    gemv.row_config.cache_clear()
+    try:
+        assert gemv.row_config(n, k, x.element_size(), _device_index(device)) is None
+        _check(x, weight, bias, dtype)
+    finally:
+        gemv.row_config.cache_clear()
+
+
+def test_row_programs_fill_the_gpu_before_growing():
+    """A one-row program takes as many weight rows as its budget holds while the launch
+    still has PROGRAMS_PER_SM programs an SM (132 SMs below), at least one row."""
+    gemv = _gemv()
+    assert gemv.row_config(4096, 1024, 2, -1) == (8, 1024)  # 4 SMs in the interpreter: the budget binds
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gemv, "_sm_count", lambda device_index: 132)
+        for (n, k), block_n in (((4096, 1024), 8), ((1024, 2048), 2), ((1024, 3072), 2), ((100, 64), 1)):
+            assert gemv.row_config.__wrapped__(n, k, 2, 0)[0] == block_n, (n, k)
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
@@ -131,9 +165,10 @@ def test_qwen3_shapes_in_bf16(rows):
 
 @pytest.mark.gpu
 def test_cuda_graph_capture():
-    """Split and unsplit launches replayed from a graph, twice: the counters are reset inside it."""
-    x = randn(2, 1024, dtype=torch.bfloat16, device="cuda")
-    for n in (1024, 151936):
+    """Split, unsplit and one-row launches replayed from a graph, twice: the counters are reset
+    inside it."""
+    for rows, n in ((2, 1024), (2, 151936), (1, 151936)):
+        x = randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
         weight, bias = randn(n, 1024, dtype=torch.bfloat16, device="cuda"), randn(n, dtype=torch.bfloat16, device="cuda")
         expected = reference.small_batch_linear(*upcast(x, weight, bias))
         graph_out = capture_and_replay(lambda: small_batch_linear(x, weight, bias))
@@ -147,8 +182,8 @@ def test_prefetch_leaves_the_result_unchanged():
     eager and replayed from a graph, split and unsplit, with a next weight smaller than the
     grid (one line a program) and larger."""
     gemv = _gemv()
-    x = randn(3, 1024, dtype=torch.bfloat16, device="cuda")
-    for n in (1024, 4096):
+    for rows, n in ((3, 1024), (3, 4096), (1, 1024)):
+        x = randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
         weight = randn(n, 1024, dtype=torch.bfloat16, device="cuda")
         for following in (randn(7, dtype=torch.bfloat16, device="cuda"), randn(6144, 1024, dtype=torch.bfloat16,
                                                                                 device="cuda")):

@@ -94,8 +94,7 @@ def _family(model: nn.Module):
 
 def _gated_activation(hidden_act: str):
     """transformers' gated MLPs apply hidden_act (Gemma's too, whatever hidden_activation says)."""
-    fused, _ = resolve_activation(hidden_act)
-    return fused, "silu_and_mul" if hidden_act == "silu" else "gelu_and_mul"
+    return resolve_activation(hidden_act).fused, "silu_and_mul" if hidden_act == "silu" else "gelu_and_mul"
 
 
 def _install(module: nn.Module, forward, state: "_Swap") -> None:

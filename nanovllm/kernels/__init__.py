@@ -14,7 +14,7 @@ __all__ = [
     "KERNELS_AVAILABLE", "backend_for", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
-    "sample", "small_batch_linear", "linear", "GEMV_MAX_ROWS",
+    "sample", "small_batch_linear", "linear", "norm_linear", "act_linear", "GEMV_MAX_ROWS",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -262,20 +262,17 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
                                                    max_top_k, bool(logprobs))
 
 
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most GEMV_MAX_ROWS rows of x (decode
-    batches): a split-K GEMV that reads the weight once at close to copy bandwidth. float16,
-    bfloat16 or float32. Returns a new contiguous [..., N] tensor. `prefetch`: a contiguous
-    tensor on x's device, read into the L2 cache while the kernel waits for its input (the
-    next projection's weight); it does not change the result."""
+def _require_weight(weight: torch.Tensor, k: int) -> None:
+    _require_float(weight, "weight")
+    _require(weight.dim() == 2 and weight.shape[1] == k, "weight",
+             lambda: f"shape {tuple(weight.shape)} must be [N, {k}]")
+
+
+def _require_gemv_operands(x: torch.Tensor, weight: torch.Tensor, bias, prefetch, k: int) -> None:
+    """x's dtype, a weight [N, k] and bias [N] like it, a contiguous prefetch on x's device."""
     _require(isinstance(x, torch.Tensor) and x.dtype in _GEMV_DTYPES, "x",
              "must be a float16, bfloat16 or float32 tensor")
-    _require(x.dim() >= 1 and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS, "x",
-             lambda: f"must be [..., K] with at most {GEMV_MAX_ROWS} rows, got shape {tuple(x.shape)}")
-    _require_float(weight, "weight")
-    _require(weight.dim() == 2 and weight.shape[1] == x.shape[-1], "weight",
-             lambda: f"shape {tuple(weight.shape)} must be [N, {x.shape[-1]}]")
+    _require_weight(weight, k)
     _require(weight.dtype == x.dtype, "weight", lambda: f"dtype {weight.dtype} differs from x's {x.dtype}")
     _require(weight.device == x.device, "weight", lambda: f"device {weight.device} differs from x's {x.device}")
     if bias is not None:
@@ -288,7 +285,70 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                  "must be a contiguous tensor or None")
         _require(prefetch.device == x.device, "prefetch",
                  lambda: f"device {prefetch.device} differs from x's {x.device}")
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most GEMV_MAX_ROWS rows of x (decode
+    batches): a split-K GEMV that reads the weight once at close to copy bandwidth (one row:
+    a split-free kernel). float16, bfloat16 or float32. Returns a new contiguous [..., N]
+    tensor. `prefetch`: a contiguous tensor on x's device, read into the L2 cache while the
+    kernel waits for its input (the next projection's weight); it does not change the result."""
+    _require(isinstance(x, torch.Tensor) and x.dtype in _GEMV_DTYPES, "x",
+             "must be a float16, bfloat16 or float32 tensor")
+    _require(x.dim() >= 1 and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS, "x",
+             lambda: f"must be [..., K] with at most {GEMV_MAX_ROWS} rows, got shape {tuple(x.shape)}")
+    _require_gemv_operands(x, weight, bias, prefetch, x.shape[-1])
     return implementation("small_batch_linear", x.device)(x, weight, bias, prefetch)
+
+
+def _one_row_on_gemv(x: torch.Tensor) -> bool:
+    return gemv_enabled and x.is_cuda and x.dtype in _GEMV_DTYPES and x.numel() == x.shape[-1]
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
+    """A pre-norm decoder's norm and the projection after it: with a residual,
+    (linear(rms_norm(x + residual)), x + residual), without one (linear(rms_norm(x)), x).
+    One kernel where one CUDA row goes to the small-batch GEMV's row kernel (batch-1 decode),
+    else fused_add_rms_norm or rms_norm, then linear(). May reuse the memory of x and residual:
+    callers must not read either afterwards."""
+    _require_last_dim_vector(x, norm_weight, "norm_weight")
+    if residual is not None:
+        _require_like(residual, x, "residual", "x")
+    _require_weight(weight, x.shape[-1])
+    if _one_row_on_gemv(x):
+        _require_gemv_operands(x, weight, bias, prefetch, x.shape[-1])
+        fused = implementation("norm_linear", x.device)(x, residual, norm_weight, eps, weight, bias, prefetch)
+        if fused is not None:
+            return fused
+    if residual is None:
+        normed, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias, prefetch), residual
+
+
+_GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu": lambda x: gelu_and_mul(x, "none"),
+                      "gelu_tanh": lambda x: gelu_and_mul(x, "tanh")}
+
+
+def act_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               prefetch: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """linear(act(x[..., :K]) * x[..., K:]) for x [..., 2K] and weight [N, K]: a gated MLP's
+    activation and down projection. activation: "silu", "gelu" (erf) or "gelu_tanh". One
+    kernel where one CUDA row goes to the small-batch GEMV's row kernel, else the activation
+    kernel then linear()."""
+    _require(activation in _GATED_ACTIVATIONS, "activation",
+             lambda: f"must be one of {sorted(_GATED_ACTIVATIONS)}, got {activation!r}")
+    _require_gated(x)
+    _require_weight(weight, x.shape[-1] // 2)
+    if _one_row_on_gemv(x):
+        _require_gemv_operands(x, weight, bias, prefetch, x.shape[-1] // 2)
+        fused = implementation("act_linear", x.device)(x, weight, bias, prefetch, activation)
+        if fused is not None:
+            return fused
+    return linear(_GATED_ACTIVATIONS[activation](x), weight, bias, prefetch)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -48,7 +48,7 @@ def _gelu(x, APPROXIMATE: tl.constexpr):
 
 
 @triton.jit
-def _activate(x, ACTIVATION: tl.constexpr):
+def activate(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == "silu":
         return x * tl.sigmoid(x)
     else:
@@ -64,7 +64,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, n_rows, d, x_row_stride,
     gate_ptrs = x_ptr + rows[:, None] * x_row_stride + cols[None, :]
     gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
     up = tl.load(gate_ptrs + d, mask=mask).to(tl.float32)
-    out = _activate(gate, ACTIVATION) * up
+    out = activate(gate, ACTIVATION) * up
     tl.store(out_ptr + rows[:, None] * d + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -34,6 +34,8 @@ _TRITON_MODULES = {
     "paged_attention": "attention",
     "sample": "sampling",
     "small_batch_linear": "gemv",
+    "norm_linear": "gemv",
+    "act_linear": "gemv",
 }
 
 

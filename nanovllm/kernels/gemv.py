@@ -36,6 +36,7 @@ import triton.language as tl
 
 from nanovllm.kernels import dispatch
 from nanovllm.kernels._tiling import cdiv, next_power_of_2
+from nanovllm.kernels.activation import activate
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 MAX_ROWS = 16  # rows of x a call serves: one tl.dot tile
@@ -59,6 +60,12 @@ _MAX_PREFETCH_BYTES = 16 << 20
 prefetch_enabled = os.environ.get("NANOVLLM_GEMV_PREFETCH", "1") != "0"
 _ROW_PROGRAM_BYTES = 16 << 10  # weight a one-row program holds in registers
 _ROW_WARPS = 4
+# Input bytes that a fused prologue's programs may read between them (each reads the whole
+# input row): about what L2 serves in the ~1 us that the separate kernel's boundary costs.
+# Qwen3-0.6B's norms and activation re-read 2-6 MB and fused gain (H200, batch 1: 0.858 ->
+# 0.787 ms a step); Qwen3-8B's norms would re-read 48-192 MB, and fused lose (4.21 -> 4.46 ms).
+_MAX_PROLOGUE_BYTES = 8 << 20
+_ACTIVATIONS = {"silu": "silu", "gelu": "none", "gelu_tanh": "tanh"}  # act_linear's names -> activate's
 row_kernel_enabled = os.environ.get("NANOVLLM_GEMV_ROW", "1") != "0"
 _INTERPRETER_SMS = 4  # no SMs under TRITON_INTERPRET: enough programs to split small test shapes
 _arrivals: dict[int, torch.Tensor] = {}
@@ -146,27 +153,53 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, ne
         _store_output(acc, bias_ptr, out_ptr, features, tokens, N, mask, HAS_BIAS)
 
 
+@triton.jit
+def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, first_program,
+               PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr):
+    """The GEMV's input row in fp32: x's row, or what the unfused kernels before it would
+    have stored (rounded to x's dtype as they round it). PROLOGUE "norm": rms_norm(x);
+    "add_norm": rms_norm(x + res), the sum stored to res_out by the first program; "act":
+    activation(x[:K]) * x[K:2K]."""
+    mask = cols < K
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PROLOGUE == "act":
+        up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (activate(x, ACTIVATION) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if PROLOGUE == "add_norm":
+        summed = (x + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + cols, summed, mask=mask & first_program)
+        x = summed.to(tl.float32)
+    if PROLOGUE == "norm" or PROLOGUE == "add_norm":
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+        x = (x * inv_rms * norm_weight).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
 @fast_launch
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, next_ptr, next_lines, N, K, w_row_stride,
+                     res_ptr, res_out_ptr, norm_ptr, eps,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                     LINE: tl.constexpr, PDL: tl.constexpr):
+                     LINE: tl.constexpr, PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, PDL: tl.constexpr):
     """One row of x: a program owns BLOCK_N output features and all of K, in one BLOCK_K tile
     loaded before the wait. Products on the CUDA cores and a sum along K inside the program:
-    no partials, no arrival counter, nothing after the wait but x's load, the products and
-    the store."""
+    no partials, no arrival counter, nothing after the wait but the input row (with its
+    prologue, _row_input), the products and the store."""
     tile = tl.program_id(0)
     features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + features.to(tl.int64)[:, None] * w_row_stride + cols[None, :],
                 mask=(features < N)[:, None] & (cols < K)[None, :], other=0.0)
+    norm_weight = 1.0
+    if PROLOGUE == "norm" or PROLOGUE == "add_norm":
+        norm_weight = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     if PREFETCH > 0:
         share = tl.cdiv(next_lines, tl.num_programs(0))
         offsets = tl.arange(0, PREFETCH)
         lines = tl.minimum(tile * share + tl.where(offsets < share, offsets, 0), next_lines - 1)
         _prefetch_l2(next_ptr + lines.to(tl.int64) * LINE)
     await_previous_kernel(PDL)
-    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    x = _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, tile == 0, PROLOGUE, ACTIVATION)
     acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + features, mask=features < N, other=0.0).to(tl.float32)
@@ -254,14 +287,61 @@ def row_config(n: int, k: int, element_size: int, device_index: int) -> tuple[in
     return block_n, block_k
 
 
-def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prefetch) -> None:
+def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prefetch, prologue: str = "none",
+                residual=None, residual_out=None, norm_weight=None, eps: float = 0.0, activation: str = "silu") -> None:
     n, k = weight.shape
     tiles = cdiv(n, block_n)
     lines, run = _prefetch_run(prefetch, tiles)
     _gemv_row_kernel[(tiles,)](
         x, weight, out if bias is None else bias, out, prefetch.view(-1).view(torch.uint8) if run else out, lines,
-        n, k, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=run,
-        LINE=_LINE, num_warps=_ROW_WARPS, num_stages=1, **dependent_launch(x.get_device()))
+        n, k, weight.stride(0), x if residual is None else residual, x if residual_out is None else residual_out,
+        out if norm_weight is None else norm_weight, eps,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=run, LINE=_LINE, PROLOGUE=prologue,
+        ACTIVATION=activation, num_warps=_ROW_WARPS, num_stages=1, **dependent_launch(x.get_device()))
+
+
+def _one_row(x: torch.Tensor, width: int) -> torch.Tensor | None:
+    """x as a [1, width] row with unit stride, or None when x holds more than one row."""
+    if x.numel() != width:
+        return None
+    return x.reshape(1, width) if x.stride(-1) == 1 else x.reshape(1, width).contiguous()
+
+
+def _prologue_block(x, row, n: int, k: int, input_bytes: int) -> tuple[int, int] | None:
+    """The row kernel's blocks for a fused prologue that reads `input_bytes` in every program,
+    or None: more than one row, a weight row over a program's budget, or more re-read input
+    than _MAX_PROLOGUE_BYTES."""
+    block = None if row is None else row_config(n, k, x.element_size(), x.get_device())
+    if block is None or cdiv(n, block[0]) * input_bytes > _MAX_PROLOGUE_BYTES:
+        return None
+    return block
+
+
+def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None):
+    """kernels.norm_linear in one launch of the row kernel, or None where it does not serve
+    (_prologue_block)."""
+    n, k = weight.shape
+    row = _one_row(x, k)
+    block = _prologue_block(x, row, n, k, (1 if residual is None else 2) * k * x.element_size())
+    if block is None:
+        return None
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    residual_out = x if residual is None else torch.empty_like(residual)
+    _launch_row(row, weight, bias, out, *block, prefetch, "norm" if residual is None else "add_norm",
+                None if residual is None else _one_row(residual, k), residual_out, norm_weight, eps)
+    return out, residual_out
+
+
+def act_linear(x, weight, bias=None, prefetch=None, activation="silu"):
+    """kernels.act_linear in one launch of the row kernel, or None where it does not serve."""
+    n, k = weight.shape
+    row = _one_row(x, 2 * k)
+    block = _prologue_block(x, row, n, k, 2 * k * x.element_size())
+    if block is None:
+        return None
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    _launch_row(row, weight, bias, out, *block, prefetch, "act", activation=_ACTIVATIONS[activation])
+    return out
 
 
 def _prefetch_run(prefetch: torch.Tensor | None, programs: int) -> tuple[int, int]:

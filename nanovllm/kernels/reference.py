@@ -53,6 +53,17 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).to(x.dtype)
 
 
+def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None):
+    normed, residual = (rms_norm(x, norm_weight, eps), x) if residual is None else fused_add_rms_norm(
+        x, residual, norm_weight, eps)
+    return small_batch_linear(normed, weight, bias), residual
+
+
+def act_linear(x, weight, bias=None, prefetch=None, activation="silu"):
+    gated = silu_and_mul(x) if activation == "silu" else gelu_and_mul(x, "tanh" if activation == "gelu_tanh" else "none")
+    return small_batch_linear(gated, weight, bias)
+
+
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     # index_select rather than advanced indexing: the latter is far slower on the CPU.
     cos, sin = cos_sin_cache.index_select(0, positions.long()).chunk(2, dim=-1)

@@ -1,9 +1,11 @@
 """The gated MLP of Qwen/Llama-style decoders: down(act(gate(x)) * up(x)), with gate and up
-in one matrix and the activation and product fused into one kernel.
+in one matrix and the activation and product fused into one kernel (into the down
+projection's, at batch-1 decode sizes).
 
 `python -m nanovllm.layers.custom_mlp` checks that the fused and the plain PyTorch paths
 agree and times both on whatever device is there."""
 import argparse
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -12,15 +14,22 @@ from torch import nn
 from nanovllm import kernels
 from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
-# hidden_act name in a Hugging Face config -> (fused kernel, the same function in plain PyTorch)
+class GatedActivation(NamedTuple):
+    fused: Callable  # x[..., 2d] -> act(x[..., :d]) * x[..., d:], one kernel
+    plain: Callable  # act in plain PyTorch
+    name: str  # kernels.act_linear's name for it
+
+
+# hidden_act name in a Hugging Face config -> its gated activation
 ACTIVATIONS = {
-    "silu": (kernels.silu_and_mul, F.silu),
-    "gelu": (lambda x: kernels.gelu_and_mul(x, approximate="none"), lambda x: F.gelu(x)),
-    "gelu_pytorch_tanh": (lambda x: kernels.gelu_and_mul(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh")),
+    "silu": GatedActivation(kernels.silu_and_mul, F.silu, "silu"),
+    "gelu": GatedActivation(lambda x: kernels.gelu_and_mul(x, approximate="none"), lambda x: F.gelu(x), "gelu"),
+    "gelu_pytorch_tanh": GatedActivation(lambda x: kernels.gelu_and_mul(x, approximate="tanh"),
+                                         lambda x: F.gelu(x, approximate="tanh"), "gelu_tanh"),
 }
 
 
-def resolve_activation(hidden_act: str):
+def resolve_activation(hidden_act: str) -> GatedActivation:
     if hidden_act not in ACTIVATIONS:
         raise ValueError(f"hidden_act: {hidden_act!r} is not supported; choose one of {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[hidden_act]
@@ -30,17 +39,21 @@ class CustomGatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False,
                  use_custom_kernels: bool = True):
         super().__init__()
-        self.fused_act_and_mul, self.act = resolve_activation(hidden_act)
+        self.activation = resolve_activation(hidden_act)
         self.use_custom_kernels = use_custom_kernels
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The activation of gate_up's halves, their product and the down projection (one
+        kernel at batch-1 decode sizes: kernels.act_linear)."""
         if self.use_custom_kernels:
-            return self.down_proj(self.fused_act_and_mul(gate_up))
+            return self.down_proj.activated_forward(gate_up, self.activation.name)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.activation.plain(gate) * up)
 
 
 def _self_check(hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: str) -> None:

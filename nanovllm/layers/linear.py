@@ -68,6 +68,12 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, shard_dim=0)
 
+    def normed_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
+        """(this projection of norm(x + residual), x + residual), of norm(x) and x without a
+        residual: `norm` (an RMSNorm) fused into the projection's kernel at batch-1 decode
+        sizes (kernels.norm_linear). x and residual must not be read afterwards."""
+        return kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, self._next_weight())
+
 
 class RowParallelLinear(LinearBase):
     """Splits the input dimension; every rank's partial sums are all-reduced. The bias is added
@@ -81,7 +87,15 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = kernels.linear(x, self.weight, bias, self._next_weight())
+        return self._all_reduced(kernels.linear(x, self.weight, bias, self._next_weight()))
+
+    def activated_forward(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """This projection of act(x[..., :K]) * x[..., K:], the gated activation fused into the
+        projection's kernel at batch-1 decode sizes (kernels.act_linear)."""
+        bias = self.bias if self.tp_rank == 0 else None
+        return self._all_reduced(kernels.act_linear(x, self.weight, bias, self._next_weight(), activation))
+
+    def _all_reduced(self, y: torch.Tensor) -> torch.Tensor:
         return distributed.all_reduce(y) if self.tp_size > 1 else y
 
 

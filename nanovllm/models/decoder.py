@@ -45,8 +45,9 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv: qkv_proj's output (the decoder layer runs it, with the norm before it)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
         norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else ()
         return self.o_proj(self.attn(positions, q, k, v, self.rotary_emb.cos_sin_cache, *norms).flatten(1))
@@ -61,14 +62,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)
 
     def forward(self, positions, hidden_states, residual):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # Each norm runs with the projection after it: one kernel at batch-1 decode sizes.
+        qkv, residual = self.self_attn.qkv_proj.normed_forward(hidden_states, self.input_layernorm, residual)
+        hidden_states = self.self_attn(positions, qkv)
+        gate_up, residual = self.mlp.gate_up_proj.normed_forward(hidden_states, self.post_attention_layernorm,
+                                                                residual)
+        return self.mlp.down(gate_up), residual
 
 
 class DecoderModel(nn.Module):

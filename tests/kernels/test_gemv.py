@@ -274,3 +274,117 @@ def test_linear_routes_small_batches_to_the_gemv(monkeypatch):
 def test_bad_arguments_name_the_argument(call, name):
     with pytest.raises(ValueError, match=rf"^{name}:"):
         call()
+
+
+# --- the norm and the activation before a one-row projection: norm_linear, act_linear ------------
+def _norm_linear_case(n, k, dtype, device, with_residual, fp32_norm):
+    x = randn(1, k, dtype=dtype, device=device)
+    residual = randn(1, k, dtype=dtype, device=device) if with_residual else None
+    norm_weight = torch.rand(k, device=device, dtype=torch.float32 if fp32_norm else dtype) + 0.5
+    weight = randn(n, k, dtype=dtype, device=device) * k ** -0.5
+    return x, residual, norm_weight, weight, randn(n, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("n,k", [(77, 300), (1030, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_linear_in_the_row_kernel(device, dtype, n, k, with_residual):
+    """One launch: the residual add, RMSNorm (weight in x's dtype and in fp32, as Gemma's) and
+    the projection; the sum comes back as the new residual and x is left as it was."""
+    require_triton(device)
+    for fp32_norm in (False, True):
+        x, residual, norm_weight, weight, bias = _norm_linear_case(n, k, dtype, device, with_residual, fp32_norm)
+        x_before = x.clone()
+        out, new_residual = _gemv().norm_linear(x, residual, norm_weight, 1e-6, weight, bias)
+        expected, expected_residual = reference.norm_linear(
+            x.double(), None if residual is None else residual.double(), norm_weight.double(), 1e-6,
+            weight.double(), bias.double())
+        assert_close(out, expected, dtype)
+        assert_close(new_residual, expected_residual, dtype)
+        assert torch.equal(x, x_before)
+        if residual is None:
+            assert new_residual is x
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_act_linear_in_the_row_kernel(device, dtype, activation):
+    require_triton(device)
+    n, k = 130, 1000
+    x = randn(1, 2 * k, dtype=dtype, device=device)
+    weight, bias = randn(n, k, dtype=dtype, device=device) * k ** -0.5, randn(n, dtype=dtype, device=device)
+    out = _gemv().act_linear(x, weight, bias, None, activation)
+    assert_close(out, reference.act_linear(x.double(), weight.double(), bias.double(), None, activation), dtype)
+
+
+def test_the_row_kernel_declines_what_it_does_not_serve():
+    """More than one row, or a weight row over a program's budget: None, and the boundary
+    runs the unfused kernels instead."""
+    gemv = _gemv()
+    x, residual, norm_weight, weight, bias = _norm_linear_case(5, 8, torch.float32, "cpu", True, False)
+    assert gemv.norm_linear(x.expand(2, 8), None, norm_weight, 1e-6, weight, bias) is None
+    assert gemv.act_linear(torch.randn(2, 16), weight, bias) is None
+    long_row = torch.randn(1, 2 * (gemv._ROW_PROGRAM_BYTES // 4 + 1))
+    assert gemv.act_linear(long_row, torch.randn(3, long_row.shape[1] // 2)) is None
+
+
+@pytest.mark.triton_interpret
+def test_fused_prologues_bound_the_input_their_programs_re_read(monkeypatch):
+    """Every program of a fused call reads the whole input row: past _MAX_PROLOGUE_BYTES
+    between them the separate kernel is cheaper, and the call declines."""
+    require_triton("cpu")
+    gemv = _gemv()
+    x, residual, norm_weight, weight, bias = _norm_linear_case(64, 256, torch.float32, "cpu", True, False)
+    programs = -(-64 // gemv.row_config(64, 256, 4, -1)[0])
+    monkeypatch.setattr(gemv, "_MAX_PROLOGUE_BYTES", programs * 256 * 4 * 2)  # the sum's two rows, just fit
+    assert gemv.norm_linear(x, residual, norm_weight, 1e-6, weight, bias) is not None
+    assert gemv.act_linear(torch.randn(1, 512), weight, bias) is not None
+    monkeypatch.setattr(gemv, "_MAX_PROLOGUE_BYTES", programs * 256 * 4 * 2 - 1)
+    assert gemv.norm_linear(x, residual, norm_weight, 1e-6, weight, bias) is None
+    assert gemv.act_linear(torch.randn(1, 512), weight, bias) is None
+    assert gemv.norm_linear(x, None, norm_weight, 1e-6, weight, bias) is not None  # one row without a residual
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_unfused_path_matches_the_reference(activation):
+    """On the CPU (and for several rows anywhere) the boundary runs the norm or activation
+    kernel and then linear()."""
+    x, residual, norm_weight, weight, bias = _norm_linear_case(9, 16, torch.float32, "cpu", True, True)
+    x = x.expand(3, 16).contiguous()
+    residual = residual.expand(3, 16).contiguous()
+    expected = reference.norm_linear(x.double(), residual.double(), norm_weight.double(), 1e-6, weight.double(),
+                                     bias.double())
+    out, new_residual = kernels.norm_linear(x.clone(), residual.clone(), norm_weight, 1e-6, weight, bias)
+    assert_close(out, expected[0], torch.float32)
+    assert_close(new_residual, expected[1], torch.float32)
+    gated = torch.randn(3, 32)
+    assert_close(kernels.act_linear(gated, weight, bias, activation=activation),
+                 reference.act_linear(gated.double(), weight.double(), bias.double(), None, activation), torch.float32)
+
+
+@pytest.mark.gpu
+def test_norm_and_act_linear_in_a_cuda_graph():
+    """The decoder's batch-1 path through the boundary, replayed from a graph."""
+    x, residual, norm_weight, weight, bias = _norm_linear_case(4096, 1024, torch.bfloat16, "cuda", True, False)
+    expected = reference.norm_linear(x.double(), residual.double(), norm_weight.double(), 1e-6, weight.double(),
+                                     bias.double())
+    out = capture_and_replay(lambda: kernels.norm_linear(x, residual, norm_weight, 1e-6, weight, bias)[0])
+    assert_close(out, expected[0], torch.bfloat16)
+    gated, down = randn(1, 6144, dtype=torch.bfloat16, device="cuda"), randn(1024, 3072, dtype=torch.bfloat16,
+                                                                              device="cuda") * 3072 ** -0.5
+    out = capture_and_replay(lambda: kernels.act_linear(gated, down))
+    assert_close(out, reference.act_linear(gated.double(), down.double()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda: kernels.norm_linear(torch.randn(1, 8), None, torch.randn(7), 1e-6, torch.randn(3, 8)), "norm_weight"),
+    (lambda: kernels.norm_linear(torch.randn(1, 8), torch.randn(1, 7), torch.randn(8), 1e-6, torch.randn(3, 8)),
+     "residual"),
+    (lambda: kernels.norm_linear(torch.randn(1, 8), None, torch.randn(8), 1e-6, torch.randn(3, 7)), "weight"),
+    (lambda: kernels.act_linear(torch.randn(1, 8), torch.randn(3, 8)), "weight"),
+    (lambda: kernels.act_linear(torch.randn(1, 7), torch.randn(3, 3)), "x"),
+    (lambda: kernels.act_linear(torch.randn(1, 8), torch.randn(3, 4), activation="relu"), "activation"),
+])
+def test_fused_boundaries_name_the_bad_argument(call, name):
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        call()

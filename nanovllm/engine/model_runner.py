@@ -27,6 +27,8 @@ from nanovllm.sampling_params import GREEDY_TEMPERATURE, MAX_LOGPROBS
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
+LOGITS_IN_GRAPH_MAX_ROWS = 16
+
 
 class SampledTokens:
     """Token ids sampled on the device, on their way to the host with the log-probabilities
@@ -103,6 +105,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.pin = self.device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[tuple, torch.Tensor] = {}  # the LM head's output of small decode graphs
+        self._replayed_logits: torch.Tensor | None = None  # the last replayed graph's, if it has them
         self.workers: Workers | None = None
         self.closed = False
         # The layers take their shard from the process's group: one engine's at a time.
@@ -147,6 +151,7 @@ class ModelRunner:
             self._shutdown()
             return
         self.graphs.clear()
+        self.graph_logits.clear()
         if self.tp_size > 1:
             distributed.destroy()
 
@@ -260,8 +265,11 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     # --- one step -------------------------------------------------------------------------
+    def _pinned(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=self.pin)
+
     def _to_device(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, pin_memory=self.pin).to(self.device, non_blocking=True)
+        return self._pinned(values, dtype).to(self.device, non_blocking=True)
 
     def _slots(self, seq, start: int, end: int) -> list[int]:
         """Cache slots of the sequence's tokens [start, end), one block's run at a time."""
@@ -324,6 +332,7 @@ class ModelRunner:
         rank 0."""
         shape = self._graph_shape_for(step) if self.graphs else None
         hidden = self._replay_graph(step, shape) if shape else self._run_eager(step)
+        self._replayed_logits = self.graph_logits.get(shape) if shape else None
         sample_rows = step["sample_rows"]
         self._last_logprobs = None
         if not sample_rows:
@@ -339,6 +348,9 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, step, sample_rows: list[int]) -> torch.Tensor | None:
         last_rows = [step["cu_seqlens_q"][row + 1] - 1 for row in sample_rows]
+        logits = self._replayed_logits
+        if logits is not None and len(last_rows) == hidden.shape[0]:  # a decode graph's rows, all sampled
+            return logits[:len(last_rows)]
         if len(last_rows) < hidden.shape[0]:  # a decode step samples every row: no gather needed
             hidden = hidden[self._to_device(last_rows, torch.long)]
         return self.model.compute_logits(hidden)
@@ -404,6 +416,9 @@ class ModelRunner:
     # (which otherwise spend ~30 ms launching ~400 kernels from Python, for ~2 ms of GPU work).
     # A step runs in the smallest graph that holds it. Padding rows belong to padding sequences
     # of seq_len 0: they read no keys, write no cache slot (-1), and their output is dropped.
+    # Decode graphs of up to LOGITS_IN_GRAPH_MAX_ROWS sequences end with the LM head: its
+    # launch and the graph boundary before it are a visible share of a small batch's step.
+    # Not with several ranks, where the LM head's gather to rank 0 is a collective.
     def _capture_graphs(self) -> None:
         max_bs = min(self.config.max_num_seqs, 512)
         decode = [(b, b, 1) for b in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}) if b <= max_bs]
@@ -412,13 +427,16 @@ class ModelRunner:
         self.graph_shapes = decode + prefill
         max_tokens = max(t for t, _, _ in self.graph_shapes)
         max_seqs = max(s for _, s, _ in self.graph_shapes)
-        device, long = self.device, torch.long
+        device = self.device
+        # Rows of one tensor each, so that one host-to-device copy fills a step's per-token
+        # inputs and one its per-sequence inputs (_replay_graph).
+        self.graph_tokens = torch.zeros(3, max_tokens, dtype=torch.long, device=device)
+        self.graph_seqs = torch.zeros(2, max_seqs + 1, dtype=torch.int32, device=device)
+        self.graph_tokens[2].fill_(-1)
+        self.graph_seqs[1].copy_(torch.arange(max_seqs + 1))
         self.graph_inputs = dict(
-            input_ids=torch.zeros(max_tokens, dtype=long, device=device),
-            positions=torch.zeros(max_tokens, dtype=long, device=device),
-            slot_mapping=torch.full((max_tokens,), -1, dtype=long, device=device),
-            seq_lens=torch.zeros(max_seqs, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.arange(max_seqs + 1, dtype=torch.int32, device=device),
+            input_ids=self.graph_tokens[0], positions=self.graph_tokens[1], slot_mapping=self.graph_tokens[2],
+            seq_lens=self.graph_seqs[0, :max_seqs], cu_seqlens_q=self.graph_seqs[1],
             block_tables=torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=device),
         )
         self.graph_output = torch.zeros(max_tokens, self.config.hf_config.hidden_size, dtype=self.dtype, device=device)
@@ -447,6 +465,9 @@ class ModelRunner:
                     block_tables=g["block_tables"][:seqs], slot_mapping=g["slot_mapping"][:tokens],
                     max_seqlen_q=max_seqlen_q)
         self.graph_output[:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
+        if max_seqlen_q == 1 and tokens <= LOGITS_IN_GRAPH_MAX_ROWS and self.tp_size == 1:
+            # Kept alive, so its memory in the graphs' pool stays this graph's.
+            self.graph_logits[shape] = self.model.compute_logits(self.graph_output[:tokens])
 
     def _graph_shape_for(self, step) -> tuple | None:
         num_seqs, num_tokens = len(step["seq_lens"]), len(step["input_ids"])
@@ -461,23 +482,32 @@ class ModelRunner:
     def _replay_graph(self, step, shape) -> torch.Tensor:
         tokens, seqs, _ = shape
         num_tokens, num_seqs = len(step["input_ids"]), len(step["seq_lens"])
-        g = self.graph_inputs
-        g["slot_mapping"][num_tokens:tokens].fill_(-1)
-        g["seq_lens"][num_seqs:seqs].zero_()
+        pad_tokens, pad_seqs = tokens - num_tokens, seqs - num_seqs
         # Padding sequences take one padding row each, the last one all that remain.
-        cu = step["cu_seqlens_q"] + [num_tokens + i for i in range(1, seqs - num_seqs)] + [tokens] * (seqs > num_seqs)
-        # One host-to-device copy for every per-token and per-sequence input.
-        packed = self._to_device(step["input_ids"] + step["positions"] + step["slot_mapping"] + step["seq_lens"] + cu
-                                 + step["deferred"], torch.long)
-        pieces = packed.split([num_tokens] * 3 + [num_seqs, seqs + 1, len(step["deferred"])])
-        for name, piece in zip(("input_ids", "positions", "slot_mapping", "seq_lens", "cu_seqlens_q"), pieces):
-            g[name][:len(piece)].copy_(piece, non_blocking=True)
+        cu = step["cu_seqlens_q"] + [num_tokens + i for i in range(1, pad_seqs)] + [tokens] * (pad_seqs > 0)
+        # Padding rows write no cache slot (-1); padding sequences read no keys (seq_len 0).
+        self.graph_tokens[:, :tokens].copy_(self._pinned([step["input_ids"] + [0] * pad_tokens,
+                                                          step["positions"] + [0] * pad_tokens,
+                                                          step["slot_mapping"] + [-1] * pad_tokens], torch.long),
+                                            non_blocking=True)
+        self.graph_seqs[:, :seqs + 1].copy_(self._pinned([step["seq_lens"] + [0] * (pad_seqs + 1), cu], torch.int32),
+                                            non_blocking=True)
         if step["deferred"]:
-            self._fill_deferred(g["input_ids"], pieces[-1])
-        tables = self._to_device(step["block_tables"], torch.int32)
-        g["block_tables"][:num_seqs, :tables.shape[1]].copy_(tables, non_blocking=True)
+            self._fill_graph_deferred(step["deferred"])
+        tables = step["block_tables"]
+        self.graph_inputs["block_tables"][:num_seqs, :len(tables[0])].copy_(self._pinned(tables, torch.int32),
+                                                                            non_blocking=True)
         self.graphs[shape].replay()
         return self.graph_output[:num_tokens]
+
+    def _fill_graph_deferred(self, deferred: list[int]) -> None:
+        """_fill_deferred into the graph's input ids; one device copy when rows 0..n-1 take
+        samples 0..n-1, a decode batch in the last step's order."""
+        count = len(deferred) // 2
+        if deferred == [*range(count), *range(count)]:
+            self.graph_inputs["input_ids"][:count].copy_(self._last_tokens[:count])
+        else:
+            self._fill_deferred(self.graph_inputs["input_ids"], self._to_device(deferred, torch.long))
 
     def memory_stats(self) -> dict:
         stats = {"kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}

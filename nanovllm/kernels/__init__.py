@@ -21,6 +21,7 @@ _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.f
 _INDEX_DTYPES = frozenset((torch.int32, torch.int64))
 _GEMV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 GEMV_MAX_ROWS = 16  # nanovllm.kernels.gemv.MAX_ROWS, without importing Triton here
+GEMV_ROW_MAX_ROWS = 2  # nanovllm.kernels.gemv.ROW_MAX_ROWS: where norm_linear and act_linear fuse
 # linear() sends small CUDA batches to small_batch_linear; NANOVLLM_GEMV=0 keeps F.linear (cuBLAS).
 gemv_enabled = KERNELS_AVAILABLE and os.environ.get("NANOVLLM_GEMV", "1") != "0"
 
@@ -302,22 +303,23 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return implementation("small_batch_linear", x.device)(x, weight, bias, prefetch)
 
 
-def _one_row_on_gemv(x: torch.Tensor) -> bool:
-    return gemv_enabled and x.is_cuda and x.dtype in _GEMV_DTYPES and x.numel() == x.shape[-1]
+def _few_rows_on_gemv(x: torch.Tensor) -> bool:
+    return (gemv_enabled and x.is_cuda and x.dtype in _GEMV_DTYPES
+            and x.numel() <= GEMV_ROW_MAX_ROWS * x.shape[-1])
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
     """A pre-norm decoder's norm and the projection after it: with a residual,
     (linear(rms_norm(x + residual)), x + residual), without one (linear(rms_norm(x)), x).
-    One kernel where one CUDA row goes to the small-batch GEMV's row kernel (batch-1 decode),
+    One kernel where one or two CUDA rows go to the small-batch GEMV's row kernel (decode of 1-2),
     else fused_add_rms_norm or rms_norm, then linear(). May reuse the memory of x and residual:
     callers must not read either afterwards."""
     _require_last_dim_vector(x, norm_weight, "norm_weight")
     if residual is not None:
         _require_like(residual, x, "residual", "x")
     _require_weight(weight, x.shape[-1])
-    if _one_row_on_gemv(x):
+    if _few_rows_on_gemv(x):
         _require_gemv_operands(x, weight, bias, prefetch, x.shape[-1])
         fused = implementation("norm_linear", x.device)(x, residual, norm_weight, eps, weight, bias, prefetch)
         if fused is not None:
@@ -337,13 +339,13 @@ def act_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                prefetch: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
     """linear(act(x[..., :K]) * x[..., K:]) for x [..., 2K] and weight [N, K]: a gated MLP's
     activation and down projection. activation: "silu", "gelu" (erf) or "gelu_tanh". One
-    kernel where one CUDA row goes to the small-batch GEMV's row kernel, else the activation
+    kernel where one or two CUDA rows go to the small-batch GEMV's row kernel, else the activation
     kernel then linear()."""
     _require(activation in _GATED_ACTIVATIONS, "activation",
              lambda: f"must be one of {sorted(_GATED_ACTIVATIONS)}, got {activation!r}")
     _require_gated(x)
     _require_weight(weight, x.shape[-1] // 2)
-    if _one_row_on_gemv(x):
+    if _few_rows_on_gemv(x):
         _require_gemv_operands(x, weight, bias, prefetch, x.shape[-1] // 2)
         fused = implementation("act_linear", x.device)(x, weight, bias, prefetch, activation)
         if fused is not None:

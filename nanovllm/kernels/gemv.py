@@ -14,11 +14,15 @@ unrolled and issues every partial's load before the first add: one L2 round trip
 one a split. The counters are one buffer per device, so two of these kernels must
 not run at once on two streams of a device.
 
-One row of x (batch-1 decode) goes to a second kernel where a few rows of W fit a program's
-registers: each program owns a handful of output features and all of K, loads them before its
-wait, and sums the products on the CUDA cores. Nothing is split, so there are no partials and
-no counter to wait on after the input arrives (H200, Qwen3-0.6B at batch 1: decode step
-0.991 -> 0.858 ms; Qwen3-8B 4.61 -> 4.23 ms).
+One or two rows of x (decode of one or two sequences) go to a second kernel where a few rows
+of W fit a program's registers: each program owns a handful of output features and all of K,
+loads them before its wait, and sums the products on the CUDA cores. Nothing is split, so
+there are no partials and no counter to wait on after the input arrives (H200, Qwen3-0.6B:
+decode step 0.991 -> 0.858 ms at one sequence; Qwen3-8B 4.61 -> 4.23 ms; two sequences
+1.010 -> 0.974 ms). At four rows the products outweigh what the split saved (1.135 -> 1.298
+ms). The kernel can also compute its input: the decoder's RMSNorm (with the residual add)
+before qkv and gate_up, and the gated activation before down (norm_linear, act_linear), so
+those kernels disappear from small decode steps.
 
 No kernel of the package writes weights, so each program reads its first weight tile before
 it waits for the kernel before it (programmatic dependent launch, launch.py): the read
@@ -58,7 +62,8 @@ _MAX_PREFETCH_LINES = 2048  # a program's share of the next weight above which n
 # third of a Hopper L2 (50 MB) would be evicted before its use and read twice.
 _MAX_PREFETCH_BYTES = 16 << 20
 prefetch_enabled = os.environ.get("NANOVLLM_GEMV_PREFETCH", "1") != "0"
-_ROW_PROGRAM_BYTES = 16 << 10  # weight a one-row program holds in registers
+ROW_MAX_ROWS = 2  # rows of x the row kernel serves (kernels.GEMV_ROW_MAX_ROWS)
+_ROW_PROGRAM_BYTES = 16 << 10  # weight a row-kernel program holds in registers
 _ROW_WARPS = 4
 # Input bytes that a fused prologue's programs may read between them (each reads the whole
 # input row): about what L2 serves in the ~1 us that the separate kernel's boundary costs.
@@ -154,13 +159,13 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, ne
 
 
 @triton.jit
-def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, first_program,
+def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, row_ok, first_program,
                PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr):
-    """The GEMV's input row in fp32: x's row, or what the unfused kernels before it would
-    have stored (rounded to x's dtype as they round it). PROLOGUE "norm": rms_norm(x);
-    "add_norm": rms_norm(x + res), the sum stored to res_out by the first program; "act":
-    activation(x[:K]) * x[K:2K]."""
-    mask = cols < K
+    """One input row of the GEMV in fp32 (zeros where not row_ok): x's row, or what the
+    unfused kernels before it would have stored (rounded to x's dtype as they round it).
+    PROLOGUE "norm": rms_norm(x); "add_norm": rms_norm(x + res), the sum stored to res_out by
+    the first program; "act": activation(x[:K]) * x[K:2K]."""
+    mask = (cols < K) & row_ok
     x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PROLOGUE == "act":
         up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
@@ -176,15 +181,17 @@ def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, first_pro
 
 
 @fast_launch
-@triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, next_ptr, next_lines, N, K, w_row_stride,
+@triton.jit(do_not_specialize=["M"])
+def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, next_ptr, next_lines, M, N, K, x_row_stride, w_row_stride,
                      res_ptr, res_out_ptr, norm_ptr, eps,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                     LINE: tl.constexpr, PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, PDL: tl.constexpr):
-    """One row of x: a program owns BLOCK_N output features and all of K, in one BLOCK_K tile
-    loaded before the wait. Products on the CUDA cores and a sum along K inside the program:
-    no partials, no arrival counter, nothing after the wait but the input row (with its
-    prologue, _row_input), the products and the store."""
+                     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PREFETCH: tl.constexpr, LINE: tl.constexpr, PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr,
+                     PDL: tl.constexpr):
+    """M <= ROWS rows of x (ROWS a power of two): a program owns BLOCK_N output features and all of K, in one
+    BLOCK_K tile loaded before the wait. Products on the CUDA cores and sums along K inside
+    the program: no partials, no arrival counter, nothing after the wait but the input rows
+    (with their prologue, _row_input), the products and the stores. res and res_out rows are
+    K apart."""
     tile = tl.program_id(0)
     features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -193,17 +200,21 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, next_ptr, next_lines, N, K
     norm_weight = 1.0
     if PROLOGUE == "norm" or PROLOGUE == "add_norm":
         norm_weight = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + features, mask=features < N, other=0.0).to(tl.float32)
     if PREFETCH > 0:
         share = tl.cdiv(next_lines, tl.num_programs(0))
         offsets = tl.arange(0, PREFETCH)
         lines = tl.minimum(tile * share + tl.where(offsets < share, offsets, 0), next_lines - 1)
         _prefetch_l2(next_ptr + lines.to(tl.int64) * LINE)
     await_previous_kernel(PDL)
-    x = _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, tile == 0, PROLOGUE, ACTIVATION)
-    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + features, mask=features < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + features, acc.to(out_ptr.dtype.element_ty), mask=features < N)
+    w = w.to(tl.float32)
+    for m in tl.static_range(ROWS):
+        x = _row_input(x_ptr + m * x_row_stride, cols, K, res_ptr + m * K, res_out_ptr + m * K, norm_weight, eps,
+                       m < M, tile == 0, PROLOGUE, ACTIVATION)
+        acc = tl.sum(w * x[None, :], axis=1) + bias
+        tl.store(out_ptr + m * N + features, acc.to(out_ptr.dtype.element_ty), mask=(features < N) & (m < M))
 
 
 @functools.cache
@@ -275,11 +286,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
 
 @functools.cache
 def row_config(n: int, k: int, element_size: int, device_index: int) -> tuple[int, int] | None:
-    """(BLOCK_N, BLOCK_K) of _gemv_row_kernel for one row of x, or None where a program's
-    features would not fit _ROW_PROGRAM_BYTES of weight: the most features a program that
-    still leaves PROGRAMS_PER_SM programs to every SM."""
+    """(BLOCK_N, BLOCK_K) of _gemv_row_kernel, or None where a program's features would not
+    fit _ROW_PROGRAM_BYTES of weight: the most features a program that still leaves
+    PROGRAMS_PER_SM programs to every SM."""
     block_k = next_power_of_2(k)
-    if not row_kernel_enabled or block_k * element_size > _ROW_PROGRAM_BYTES:
+    if block_k * element_size > _ROW_PROGRAM_BYTES:
         return None
     block_n = max(1, min(64, _ROW_PROGRAM_BYTES // (block_k * element_size)))
     while block_n > 1 and cdiv(n, block_n) < PROGRAMS_PER_SM * _sm_count(device_index):
@@ -289,30 +300,39 @@ def row_config(n: int, k: int, element_size: int, device_index: int) -> tuple[in
 
 def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prefetch, prologue: str = "none",
                 residual=None, residual_out=None, norm_weight=None, eps: float = 0.0, activation: str = "silu") -> None:
+    """x: [M, K] rows (ROW_MAX_ROWS at most) with unit stride; residual and residual_out
+    contiguous like them."""
     n, k = weight.shape
     tiles = cdiv(n, block_n)
     lines, run = _prefetch_run(prefetch, tiles)
     _gemv_row_kernel[(tiles,)](
         x, weight, out if bias is None else bias, out, prefetch.view(-1).view(torch.uint8) if run else out, lines,
-        n, k, weight.stride(0), x if residual is None else residual, x if residual_out is None else residual_out,
-        out if norm_weight is None else norm_weight, eps,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=run, LINE=_LINE, PROLOGUE=prologue,
-        ACTIVATION=activation, num_warps=_ROW_WARPS, num_stages=1, **dependent_launch(x.get_device()))
+        x.shape[0], n, k, x.stride(0), weight.stride(0), x if residual is None else residual,
+        x if residual_out is None else residual_out, out if norm_weight is None else norm_weight, eps,
+        HAS_BIAS=bias is not None, ROWS=next_power_of_2(x.shape[0]), BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH=run, LINE=_LINE, PROLOGUE=prologue, ACTIVATION=activation, num_warps=_ROW_WARPS, num_stages=1,
+        **dependent_launch(x.get_device()))
 
 
-def _one_row(x: torch.Tensor, width: int) -> torch.Tensor | None:
-    """x as a [1, width] row with unit stride, or None when x holds more than one row."""
-    if x.numel() != width:
+def _row_block(x: torch.Tensor, n: int, k: int) -> tuple[int, int] | None:
+    """The row kernel's blocks for x's rows, or None where it does not serve: turned off, more
+    than ROW_MAX_ROWS rows, a weight row over a program's budget."""
+    if not row_kernel_enabled or x.numel() > ROW_MAX_ROWS * x.shape[-1]:
         return None
-    return x.reshape(1, width) if x.stride(-1) == 1 else x.reshape(1, width).contiguous()
+    return row_config(n, k, x.element_size(), x.get_device())
 
 
-def _prologue_block(x, row, n: int, k: int, input_bytes: int) -> tuple[int, int] | None:
-    """The row kernel's blocks for a fused prologue that reads `input_bytes` in every program,
-    or None: more than one row, a weight row over a program's budget, or more re-read input
-    than _MAX_PROLOGUE_BYTES."""
-    block = None if row is None else row_config(n, k, x.element_size(), x.get_device())
-    if block is None or cdiv(n, block[0]) * input_bytes > _MAX_PROLOGUE_BYTES:
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as [M, width] rows with unit stride."""
+    rows = x.reshape(-1, width)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _prologue_block(x, n: int, k: int, input_bytes: int) -> tuple[int, int] | None:
+    """_row_block for a fused prologue that reads `input_bytes` a row in every program, or
+    None also where its programs would re-read more than _MAX_PROLOGUE_BYTES between them."""
+    block = _row_block(x, n, k)
+    if block is None or cdiv(n, block[0]) * input_bytes * (x.numel() // x.shape[-1]) > _MAX_PROLOGUE_BYTES:
         return None
     return block
 
@@ -321,26 +341,24 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None)
     """kernels.norm_linear in one launch of the row kernel, or None where it does not serve
     (_prologue_block)."""
     n, k = weight.shape
-    row = _one_row(x, k)
-    block = _prologue_block(x, row, n, k, (1 if residual is None else 2) * k * x.element_size())
+    block = _prologue_block(x, n, k, (1 if residual is None else 2) * k * x.element_size())
     if block is None:
         return None
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    residual_out = x if residual is None else torch.empty_like(residual)
-    _launch_row(row, weight, bias, out, *block, prefetch, "norm" if residual is None else "add_norm",
-                None if residual is None else _one_row(residual, k), residual_out, norm_weight, eps)
+    residual_out = x if residual is None else torch.empty(residual.shape, dtype=x.dtype, device=x.device)
+    _launch_row(_rows(x, k), weight, bias, out, *block, prefetch, "norm" if residual is None else "add_norm",
+                None if residual is None else residual.reshape(-1, k).contiguous(), residual_out, norm_weight, eps)
     return out, residual_out
 
 
 def act_linear(x, weight, bias=None, prefetch=None, activation="silu"):
     """kernels.act_linear in one launch of the row kernel, or None where it does not serve."""
     n, k = weight.shape
-    row = _one_row(x, 2 * k)
-    block = _prologue_block(x, row, n, k, 2 * k * x.element_size())
+    block = _prologue_block(x, n, k, 2 * k * x.element_size())
     if block is None:
         return None
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    _launch_row(row, weight, bias, out, *block, prefetch, "act", activation=_ACTIVATIONS[activation])
+    _launch_row(_rows(x, 2 * k), weight, bias, out, *block, prefetch, "act", activation=_ACTIVATIONS[activation])
     return out
 
 
@@ -368,7 +386,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
-    block = row_config(n, k, x.element_size(), x.get_device()) if rows.shape[0] == 1 else None
+    block = _row_block(rows, n, k)
     if block is not None:
         _launch_row(rows, weight, bias, out, *block, prefetch)
     else:

@@ -1,7 +1,8 @@
 """small_batch_linear (nanovllm/kernels/gemv.py) against F.linear in float64, on each of its
-paths (one row: a program a few features of all of K; several rows: one program per feature
-tile, or split-K with the last program reducing), and kernels.linear's choice between it and
-F.linear. Tolerances: kernel_testing.TOLERANCE."""
+paths (one or two rows: a program a few features of all of K; more: one program per feature
+tile, or split-K with the last program reducing), kernels.linear's choice between it and
+F.linear, and the norm and activation fused into the row kernel (norm_linear, act_linear).
+Tolerances: kernel_testing.TOLERANCE."""
 from pathlib import Path
 
 import pytest
@@ -48,25 +49,22 @@ def test_matches_float64(device, dtype, rows, n, k, splits, with_bias):
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("n,k,with_bias", [(77, 300, True), (1030, 2047, False), (5, 8000, True)])
-def test_one_row_on_both_kernels(device, dtype, n, k, with_bias, monkeypatch):
-    """One row goes to the row kernel where a program's rows of the weight fit its budget
-    (K = 8000 in fp32 does not: the split-K kernel takes it), and the split-K kernel gives
-    the same result within tolerance."""
+def test_few_rows_on_both_kernels(device, dtype, rows, n, k, with_bias, monkeypatch):
+    """Up to ROW_MAX_ROWS rows go to the row kernel where a program's rows of the weight fit
+    its budget (K = 8000 in fp32 does not: the split-K kernel takes it), and the split-K
+    kernel gives the same result within tolerance."""
     require_triton(device)
     gemv = _gemv()
-    x, weight = randn(1, k, dtype=dtype, device=device), randn(n, k, dtype=dtype, device=device)
+    x, weight = strided_rows(rows, k, dtype, device), randn(n, k, dtype=dtype, device=device)
     bias = randn(n, dtype=dtype, device=device) if with_bias else None
-    block = gemv.row_config(n, k, x.element_size(), _device_index(device))
+    block = gemv._row_block(x, n, k)
     assert (block is None) == (k * x.element_size() > gemv._ROW_PROGRAM_BYTES)
     _check(x, weight, bias, dtype)
     monkeypatch.setattr(gemv, "row_kernel_enabled", False)
-    gemv.row_config.cache_clear()
-    try:
-        assert gemv.row_config(n, k, x.element_size(), _device_index(device)) is None
-        _check(x, weight, bias, dtype)
-    finally:
-        gemv.row_config.cache_clear()
+    assert gemv._row_block(x, n, k) is None
+    _check(x, weight, bias, dtype)
 
 
 def test_row_programs_fill_the_gpu_before_growing():
@@ -227,8 +225,9 @@ def test_decoder_projections_read_ahead_in_decode_order():
     assert not any("following" in name for name in model.state_dict())
 
 
-def test_the_boundary_and_the_kernel_agree_on_the_row_limit():
+def test_the_boundary_and_the_kernel_agree_on_the_row_limits():
     assert kernels.GEMV_MAX_ROWS == _gemv().MAX_ROWS
+    assert kernels.GEMV_ROW_MAX_ROWS == _gemv().ROW_MAX_ROWS
 
 
 def test_linear_keeps_f_linear_on_the_cpu():
@@ -277,23 +276,24 @@ def test_bad_arguments_name_the_argument(call, name):
 
 
 # --- the norm and the activation before a one-row projection: norm_linear, act_linear ------------
-def _norm_linear_case(n, k, dtype, device, with_residual, fp32_norm):
-    x = randn(1, k, dtype=dtype, device=device)
-    residual = randn(1, k, dtype=dtype, device=device) if with_residual else None
+def _norm_linear_case(n, k, dtype, device, with_residual, fp32_norm, rows=1):
+    x = randn(rows, k, dtype=dtype, device=device)
+    residual = randn(rows, k, dtype=dtype, device=device) if with_residual else None
     norm_weight = torch.rand(k, device=device, dtype=torch.float32 if fp32_norm else dtype) + 0.5
     weight = randn(n, k, dtype=dtype, device=device) * k ** -0.5
     return x, residual, norm_weight, weight, randn(n, dtype=dtype, device=device)
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
-@pytest.mark.parametrize("n,k", [(77, 300), (1030, 1000)])
+@pytest.mark.parametrize("rows,n,k", [(1, 77, 300), (1, 1030, 1000), (2, 77, 300)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_norm_linear_in_the_row_kernel(device, dtype, n, k, with_residual):
+def test_norm_linear_in_the_row_kernel(device, dtype, rows, n, k, with_residual):
     """One launch: the residual add, RMSNorm (weight in x's dtype and in fp32, as Gemma's) and
     the projection; the sum comes back as the new residual and x is left as it was."""
     require_triton(device)
     for fp32_norm in (False, True):
-        x, residual, norm_weight, weight, bias = _norm_linear_case(n, k, dtype, device, with_residual, fp32_norm)
+        x, residual, norm_weight, weight, bias = _norm_linear_case(n, k, dtype, device, with_residual, fp32_norm,
+                                                                   rows)
         x_before = x.clone()
         out, new_residual = _gemv().norm_linear(x, residual, norm_weight, 1e-6, weight, bias)
         expected, expected_residual = reference.norm_linear(
@@ -308,22 +308,24 @@ def test_norm_linear_in_the_row_kernel(device, dtype, n, k, with_residual):
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
-def test_act_linear_in_the_row_kernel(device, dtype, activation):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_act_linear_in_the_row_kernel(device, dtype, activation, rows):
     require_triton(device)
     n, k = 130, 1000
-    x = randn(1, 2 * k, dtype=dtype, device=device)
+    x = randn(rows, 2 * k, dtype=dtype, device=device)
     weight, bias = randn(n, k, dtype=dtype, device=device) * k ** -0.5, randn(n, dtype=dtype, device=device)
     out = _gemv().act_linear(x, weight, bias, None, activation)
     assert_close(out, reference.act_linear(x.double(), weight.double(), bias.double(), None, activation), dtype)
 
 
 def test_the_row_kernel_declines_what_it_does_not_serve():
-    """More than one row, or a weight row over a program's budget: None, and the boundary
-    runs the unfused kernels instead."""
+    """More than ROW_MAX_ROWS rows, or a weight row over a program's budget: None, and the
+    boundary runs the unfused kernels instead."""
     gemv = _gemv()
     x, residual, norm_weight, weight, bias = _norm_linear_case(5, 8, torch.float32, "cpu", True, False)
-    assert gemv.norm_linear(x.expand(2, 8), None, norm_weight, 1e-6, weight, bias) is None
-    assert gemv.act_linear(torch.randn(2, 16), weight, bias) is None
+    too_many = gemv.ROW_MAX_ROWS + 1
+    assert gemv.norm_linear(x.expand(too_many, 8), None, norm_weight, 1e-6, weight, bias) is None
+    assert gemv.act_linear(torch.randn(too_many, 16), weight, bias) is None
     long_row = torch.randn(1, 2 * (gemv._ROW_PROGRAM_BYTES // 4 + 1))
     assert gemv.act_linear(long_row, torch.randn(3, long_row.shape[1] // 2)) is None
 

@@ -291,10 +291,11 @@ def _require_gemv_operands(x: torch.Tensor, weight: torch.Tensor, bias, prefetch
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most GEMV_MAX_ROWS rows of x (decode
-    batches): a split-K GEMV that reads the weight once at close to copy bandwidth (one row:
-    a split-free kernel). float16, bfloat16 or float32. Returns a new contiguous [..., N]
+    batches): a split-K GEMV that reads the weight once at close to copy bandwidth (one or two
+    rows: a split-free kernel). float16, bfloat16 or float32. Returns a new contiguous [..., N]
     tensor. `prefetch`: a contiguous tensor on x's device, read into the L2 cache while the
-    kernel waits for its input (the next projection's weight); it does not change the result."""
+    split-K kernel waits for its input (the next projection's weight; the one- and two-row
+    kernel does not prefetch); it does not change the result."""
     _require(isinstance(x, torch.Tensor) and x.dtype in _GEMV_DTYPES, "x",
              "must be a float16, bfloat16 or float32 tensor")
     _require(x.dim() >= 1 and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS, "x",

@@ -306,6 +306,29 @@ def test_norm_linear_in_the_row_kernel(device, dtype, rows, n, k, with_residual)
             assert new_residual is x
 
 
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
+def test_fused_prologues_take_strided_and_empty_operands(device, dtype):
+    """A transposed weight and a strided bias (copied), a row of a wider buffer; no features
+    or no rows: an empty result, from the unfused path."""
+    require_triton(device)
+    gemv = _gemv()
+    k, n = 96, 40
+    x, residual = strided_rows(1, k, dtype, device), randn(1, k, dtype=dtype, device=device)
+    norm_weight = torch.rand(k, dtype=dtype, device=device) + 0.5
+    weight, bias = randn(k, n, dtype=dtype, device=device).t(), randn(2 * n, dtype=dtype, device=device)[::2]
+    out, _ = gemv.norm_linear(x, residual, norm_weight, 1e-6, weight, bias)
+    expected, _ = reference.norm_linear(x.double(), residual.double(), norm_weight.double(), 1e-6, weight.double(),
+                                        bias.double())
+    assert_close(out, expected, dtype)
+    gated = strided_rows(1, 2 * k, dtype, device)
+    assert_close(gemv.act_linear(gated, weight, bias),
+                 reference.act_linear(gated.double(), weight.double(), bias.double()), dtype)
+    assert gemv.norm_linear(x, residual, norm_weight, 1e-6, weight[:0], bias[:0]) is None
+    assert gemv.act_linear(gated[:0], weight, bias) is None
+    empty, _ = kernels.norm_linear(x[:0], None, norm_weight, 1e-6, weight, bias)
+    assert empty.shape == (0, n)
+
+
 @pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [1, 2])

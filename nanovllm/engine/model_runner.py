@@ -152,6 +152,7 @@ class ModelRunner:
             return
         self.graphs.clear()
         self.graph_logits.clear()
+        self._replayed_logits = None
         if self.tp_size > 1:
             distributed.destroy()
 
@@ -429,7 +430,9 @@ class ModelRunner:
         max_seqs = max(s for _, s, _ in self.graph_shapes)
         device = self.device
         # Rows of one tensor each, so that one host-to-device copy fills a step's per-token
-        # inputs and one its per-sequence inputs (_replay_graph).
+        # inputs and one its per-sequence inputs (_replay_graph). Below the largest graph the
+        # rows' slices are strided, and PyTorch stages each copy through a device buffer and
+        # a copy kernel: still 6 operations before a replay, against 9 for separate tensors.
         self.graph_tokens = torch.zeros(3, max_tokens, dtype=torch.long, device=device)
         self.graph_seqs = torch.zeros(2, max_seqs + 1, dtype=torch.int32, device=device)
         self.graph_tokens[2].fill_(-1)
@@ -466,7 +469,9 @@ class ModelRunner:
                     max_seqlen_q=max_seqlen_q)
         self.graph_output[:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
         if max_seqlen_q == 1 and tokens <= LOGITS_IN_GRAPH_MAX_ROWS and self.tp_size == 1:
-            # Kept alive, so its memory in the graphs' pool stays this graph's.
+            # Kept alive, so no later capture reuses its memory in the graphs' shared pool; graphs
+            # captured before it may use that memory for their intermediates, so it is read (by
+            # the sampler, on the same stream) before the next replay.
             self.graph_logits[shape] = self.model.compute_logits(self.graph_output[:tokens])
 
     def _graph_shape_for(self, step) -> tuple | None:

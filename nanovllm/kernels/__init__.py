@@ -274,6 +274,11 @@ def _require_gemv_operands(x: torch.Tensor, weight: torch.Tensor, bias, prefetch
     _require(isinstance(x, torch.Tensor) and x.dtype in _GEMV_DTYPES, "x",
              "must be a float16, bfloat16 or float32 tensor")
     _require_weight(weight, k)
+    _require_linear_operands(x, weight, bias, prefetch)
+
+
+def _require_linear_operands(x: torch.Tensor, weight: torch.Tensor, bias, prefetch) -> None:
+    """A weight and bias [N] of x's dtype and device, a contiguous prefetch on x's device."""
     _require(weight.dtype == x.dtype, "weight", lambda: f"dtype {weight.dtype} differs from x's {x.dtype}")
     _require(weight.device == x.device, "weight", lambda: f"device {weight.device} differs from x's {x.device}")
     if bias is not None:
@@ -320,8 +325,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     if residual is not None:
         _require_like(residual, x, "residual", "x")
     _require_weight(weight, x.shape[-1])
+    _require_linear_operands(x, weight, bias, prefetch)  # before any kernel consumes x and residual
     if _few_rows_on_gemv(x):
-        _require_gemv_operands(x, weight, bias, prefetch, x.shape[-1])
         fused = implementation("norm_linear", x.device)(x, residual, norm_weight, eps, weight, bias, prefetch)
         if fused is not None:
             return fused
@@ -346,8 +351,8 @@ def act_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
              lambda: f"must be one of {sorted(_GATED_ACTIVATIONS)}, got {activation!r}")
     _require_gated(x)
     _require_weight(weight, x.shape[-1] // 2)
+    _require_linear_operands(x, weight, bias, prefetch)
     if _few_rows_on_gemv(x):
-        _require_gemv_operands(x, weight, bias, prefetch, x.shape[-1] // 2)
         fused = implementation("act_linear", x.device)(x, weight, bias, prefetch, activation)
         if fused is not None:
             return fused

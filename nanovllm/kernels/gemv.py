@@ -296,8 +296,8 @@ def row_config(n: int, k: int, element_size: int, device_index: int) -> tuple[in
 
 def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prologue: str = "none", residual=None,
                 residual_out=None, norm_weight=None, eps: float = 0.0, activation: str = "silu") -> None:
-    """x: [M, K] rows (ROW_MAX_ROWS at most) with unit stride; residual and residual_out
-    contiguous like them."""
+    """x: ROW_MAX_ROWS rows at most, with unit stride ([M, 2K] for the "act" prologue, else
+    [M, K]); residual and residual_out contiguous [M, K]."""
     n, k = weight.shape
     _gemv_row_kernel[(cdiv(n, block_n),)](
         x, weight, out if bias is None else bias, out, x.shape[0], n, k, x.stride(0), weight.stride(0),
@@ -311,7 +311,7 @@ def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prologue: str 
 def _row_block(x: torch.Tensor, n: int, k: int) -> tuple[int, int] | None:
     """The row kernel's blocks for x's rows, or None where it does not serve: turned off, more
     than ROW_MAX_ROWS rows, a weight row over a program's budget."""
-    if not row_kernel_enabled or x.numel() > ROW_MAX_ROWS * x.shape[-1]:
+    if not row_kernel_enabled or x.shape[-1] == 0 or x.numel() > ROW_MAX_ROWS * x.shape[-1]:
         return None
     return row_config(n, k, x.element_size(), x.get_device())
 
@@ -351,7 +351,8 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None)
     residual_out = x if residual is None else torch.empty(residual.shape, dtype=x.dtype, device=x.device)
     weight, bias = _unit_stride(weight, bias)
     _launch_row(_rows(x, k), weight, bias, out, *block, "norm" if residual is None else "add_norm",
-                None if residual is None else residual.reshape(-1, k).contiguous(), residual_out, norm_weight, eps)
+                None if residual is None else residual.reshape(-1, k).contiguous(), residual_out,
+                norm_weight.contiguous(), eps)
     return out, residual_out
 
 

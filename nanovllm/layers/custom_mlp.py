@@ -1,6 +1,6 @@
 """The gated MLP of Qwen/Llama-style decoders: down(act(gate(x)) * up(x)), with gate and up
 in one matrix and the activation and product fused into one kernel (into the down
-projection's, at batch-1 decode sizes).
+projection's, in decode steps of one or two sequences).
 
 `python -m nanovllm.layers.custom_mlp` checks that the fused and the plain PyTorch paths
 agree and times both on whatever device is there."""
@@ -49,7 +49,7 @@ class CustomGatedMLP(nn.Module):
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The activation of gate_up's halves, their product and the down projection (one
-        kernel at batch-1 decode sizes: kernels.act_linear)."""
+        kernel in decode steps of one or two sequences: kernels.act_linear)."""
         if self.use_custom_kernels:
             return self.down_proj.activated_forward(gate_up, self.activation.name)
         gate, up = gate_up.chunk(2, dim=-1)

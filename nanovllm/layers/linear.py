@@ -70,8 +70,8 @@ class ColumnParallelLinear(LinearBase):
 
     def normed_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
         """(this projection of norm(x + residual), x + residual), of norm(x) and x without a
-        residual: `norm` (an RMSNorm) fused into the projection's kernel at batch-1 decode
-        sizes (kernels.norm_linear). x and residual must not be read afterwards."""
+        residual: `norm` (an RMSNorm) fused into the projection's kernel in decode steps of one
+        or two sequences (kernels.norm_linear). x and residual must not be read afterwards."""
         return kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, self._next_weight())
 
 
@@ -91,7 +91,7 @@ class RowParallelLinear(LinearBase):
 
     def activated_forward(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """This projection of act(x[..., :K]) * x[..., K:], the gated activation fused into the
-        projection's kernel at batch-1 decode sizes (kernels.act_linear)."""
+        projection's kernel in decode steps of one or two sequences (kernels.act_linear)."""
         bias = self.bias if self.tp_rank == 0 else None
         return self._all_reduced(kernels.act_linear(x, self.weight, bias, self._next_weight(), activation))
 

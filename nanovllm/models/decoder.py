@@ -62,7 +62,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)
 
     def forward(self, positions, hidden_states, residual):
-        # Each norm runs with the projection after it: one kernel at batch-1 decode sizes.
+        # Each norm runs with the projection after it: one kernel in decode steps of one or two
+        # sequences (kernels.norm_linear).
         qkv, residual = self.self_attn.qkv_proj.normed_forward(hidden_states, self.input_layernorm, residual)
         hidden_states = self.self_attn(positions, qkv)
         gate_up, residual = self.mlp.gate_up_proj.normed_forward(hidden_states, self.post_attention_layernorm,

@@ -308,14 +308,15 @@ def test_norm_linear_in_the_row_kernel(device, dtype, rows, n, k, with_residual)
 
 @pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
 def test_fused_prologues_take_strided_and_empty_operands(device, dtype):
-    """A transposed weight and a strided bias (copied), a row of a wider buffer; no features
-    or no rows: an empty result, from the unfused path."""
+    """A transposed weight, a strided bias and norm weight (copied), a row of a wider buffer;
+    no features or no rows: an empty result, from the unfused path."""
     require_triton(device)
     gemv = _gemv()
     k, n = 96, 40
     x, residual = strided_rows(1, k, dtype, device), randn(1, k, dtype=dtype, device=device)
     norm_weight = torch.rand(k, dtype=dtype, device=device) + 0.5
     weight, bias = randn(k, n, dtype=dtype, device=device).t(), randn(2 * n, dtype=dtype, device=device)[::2]
+    norm_weight = (torch.rand(2 * k, dtype=dtype, device=device) + 0.5)[::2]  # a strided norm weight too
     out, _ = gemv.norm_linear(x, residual, norm_weight, 1e-6, weight, bias)
     expected, _ = reference.norm_linear(x.double(), residual.double(), norm_weight.double(), 1e-6, weight.double(),
                                         bias.double())
@@ -409,7 +410,21 @@ def test_norm_and_act_linear_in_a_cuda_graph():
     (lambda: kernels.act_linear(torch.randn(1, 8), torch.randn(3, 8)), "weight"),
     (lambda: kernels.act_linear(torch.randn(1, 7), torch.randn(3, 3)), "x"),
     (lambda: kernels.act_linear(torch.randn(1, 8), torch.randn(3, 4), activation="relu"), "activation"),
+    (lambda: kernels.norm_linear(torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), 1e-6, torch.randn(5, 8),
+                                 torch.randn(4)), "bias"),
+    (lambda: kernels.act_linear(torch.randn(3, 8), torch.randn(5, 4), torch.randn(5, dtype=torch.float16)), "bias"),
+    (lambda: kernels.norm_linear(torch.randn(3, 8), None, torch.randn(8), 1e-6, torch.randn(5, 8),
+                                 prefetch=torch.randn(4, 6).t()), "prefetch"),
 ])
 def test_fused_boundaries_name_the_bad_argument(call, name):
     with pytest.raises(ValueError, match=rf"^{name}:"):
         call()
+
+
+def test_fused_boundaries_check_before_the_norm_consumes_its_inputs():
+    """A bad bias is reported before fused_add_rms_norm rewrites x and residual in place."""
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    x_before, residual_before = x.clone(), residual.clone()
+    with pytest.raises(ValueError, match="^bias:"):
+        kernels.norm_linear(x, residual, torch.randn(8), 1e-6, torch.randn(5, 8), torch.randn(4))
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)

@@ -106,7 +106,6 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[tuple, torch.Tensor] = {}  # the LM head's output of small decode graphs
-        self._replayed_logits: torch.Tensor | None = None  # the last replayed graph's, if it has them
         self.workers: Workers | None = None
         self.closed = False
         # The layers take their shard from the process's group: one engine's at a time.
@@ -152,7 +151,6 @@ class ModelRunner:
             return
         self.graphs.clear()
         self.graph_logits.clear()
-        self._replayed_logits = None
         if self.tp_size > 1:
             distributed.destroy()
 
@@ -333,13 +331,13 @@ class ModelRunner:
         rank 0."""
         shape = self._graph_shape_for(step) if self.graphs else None
         hidden = self._replay_graph(step, shape) if shape else self._run_eager(step)
-        self._replayed_logits = self.graph_logits.get(shape) if shape else None
+        graph_logits = self.graph_logits.get(shape) if shape else None
         sample_rows = step["sample_rows"]
         self._last_logprobs = None
         if not sample_rows:
             tokens = None
         elif self.rank == 0:
-            tokens, self._last_logprobs = self._sample(hidden, step, sample_rows, seqs)
+            tokens, self._last_logprobs = self._sample(hidden, step, sample_rows, seqs, graph_logits)
         else:
             self._logits(hidden, step, sample_rows)  # this rank's vocabulary rows, gathered on rank 0
             tokens = torch.empty(len(sample_rows), dtype=torch.long, device=self.device)
@@ -347,18 +345,19 @@ class ModelRunner:
             distributed.broadcast_from_first(tokens)
         self._last_tokens = tokens
 
-    def _logits(self, hidden: torch.Tensor, step, sample_rows: list[int]) -> torch.Tensor | None:
+    def _logits(self, hidden: torch.Tensor, step, sample_rows: list[int],
+                graph_logits: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`graph_logits`: the replayed decode graph's LM head output, if it has one."""
         last_rows = [step["cu_seqlens_q"][row + 1] - 1 for row in sample_rows]
-        logits = self._replayed_logits
-        if logits is not None and len(last_rows) == hidden.shape[0]:  # a decode graph's rows, all sampled
-            return logits[:len(last_rows)]
+        if graph_logits is not None and len(last_rows) == hidden.shape[0]:  # a decode graph's rows, all sampled
+            return graph_logits[:len(last_rows)]
         if len(last_rows) < hidden.shape[0]:  # a decode step samples every row: no gather needed
             hidden = hidden[self._to_device(last_rows, torch.long)]
         return self.model.compute_logits(hidden)
 
-    def _sample(self, hidden: torch.Tensor, step, sample_rows: list[int], seqs):
+    def _sample(self, hidden: torch.Tensor, step, sample_rows: list[int], seqs, graph_logits):
         """-> (token ids [B], packed log-probabilities or None when no row asks)."""
-        logits = self._logits(hidden, step, sample_rows)
+        logits = self._logits(hidden, step, sample_rows, graph_logits)
         tensors = self._sampling_tensors(seqs)
         if all(s.params.logprobs is None for s in seqs):
             return self.sampler(logits, *tensors)[0], None

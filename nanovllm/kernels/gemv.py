@@ -317,8 +317,8 @@ def _row_block(x: torch.Tensor, n: int, k: int) -> tuple[int, int] | None:
 
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x as [M, width] rows with unit stride."""
-    rows = x.reshape(-1, width)
+    """x ([..., width]) as [M, width] rows with unit stride."""
+    rows = x if x.dim() == 2 else x.reshape(-1, width)  # 2-D as it is: -1 is ambiguous for width 0
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
@@ -389,8 +389,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    rows = x if x.dim() == 2 else x.reshape(-1, k)
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    rows = _rows(x, k)
     weight, bias = _unit_stride(weight, bias)
     block = _row_block(rows, n, k)
     if block is not None:

@@ -14,6 +14,7 @@ __all__ = [
     "KERNELS_AVAILABLE", "backend_for", "graph_capturable",
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
+    "qk_norm_rope_attention",
     "sample", "small_batch_linear", "linear", "norm_linear", "act_linear", "GEMV_MAX_ROWS",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
@@ -166,6 +167,13 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     written to the paged caches at slot_mapping (-1 skipped). q [T, Hq, D] is rewritten in
     place and returned; k and v [T, Hk, D] are left as they are. The caches need unit
     stride along head_dim."""
+    _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight)
+    return implementation("qk_norm_rope_store", q.device)(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                                                          slot_mapping, q_weight, k_weight, float(eps))
+
+
+def _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight,
+                                k_weight) -> None:
     _require_float(q, "q")
     _require(q.dim() == 3 and q.shape[2] % 2 == 0, "q",
              lambda: f"must be [tokens, heads, even head_dim], got {tuple(q.shape)}")
@@ -187,8 +195,6 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     if q_weight is not None:
         _require_last_dim_vector(q, q_weight, "q_weight")
         _require_last_dim_vector(k, k_weight, "k_weight")
-    return implementation("qk_norm_rope_store", q.device)(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                                                          slot_mapping, q_weight, k_weight, float(eps))
 
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
@@ -199,6 +205,15 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     p = seq_len - Lq + j) sees keys <= p, and with a `sliding_window` W only keys > p - W.
     Cache blocks wholly before every query's window are not read. A sequence with seq_len 0
     gets zeros. Returns [T, Hq, D]."""
+    _require_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal,
+                             sliding_window)
+    return implementation("paged_attention", q.device)(
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables,
+        max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal, sliding_window=sliding_window)
+
+
+def _require_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal,
+                             sliding_window) -> None:
     _require_float(q, "q")
     _require(q.dim() == 3, "q", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     _require_cache(k_cache, "k_cache")
@@ -221,9 +236,22 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         _require(isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window >= 1,
                  "sliding_window", lambda: f"must be None or an int >= 1, got {sliding_window!r}")
         _require(causal, "sliding_window", "needs causal attention")
-    return implementation("paged_attention", q.device)(
-        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables,
-        max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal, sliding_window=sliding_window)
+
+
+def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, cu_seqlens_q,
+                           seq_lens, block_tables, max_seqlen_q, scale, sliding_window: int | None = None,
+                           q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+    """qk_norm_rope_store, then causal paged_attention over the caches it wrote: an attention
+    layer's work after its qkv projection. Decode steps of a few sequences run it as one kernel
+    and the split merge (docs/attention.md). Returns [T, Hq, D]; q may be rewritten in place,
+    k and v are left as they are."""
+    _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight)
+    _require_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, True,
+                             sliding_window)
+    return implementation("qk_norm_rope_attention", q.device)(
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens, block_tables=block_tables, max_seqlen_q=int(max_seqlen_q), scale=float(scale),
+        sliding_window=sliding_window, q_weight=q_weight, k_weight=k_weight, eps=float(eps))
 
 
 def _require_row_vector(x, logits: torch.Tensor, name: str, kind) -> None:

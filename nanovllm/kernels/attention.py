@@ -387,20 +387,20 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
-               num_splits: int | None = None) -> tuple[int, int]:
+               num_splits: int | None = None, min_keys: int = _MIN_PARTITION) -> tuple[int, int]:
     """(splits, fewest keys per split) from host-known shapes only. The kernel cuts each
     sequence's keys into at most `splits` partitions of at least that many keys, multiples of
     block_n (its key tiles rely on starting at multiples of BLOCK_N). Splits only when the
     unsplit grid fills less than one wave, then aims at _PROGRAMS_PER_SM programs per SM,
     rounded down to a power of two so that the merge loads whole tiles of splits (1 x 32768 on
     8 kv heads: 32 splits, not 33, whose merge took a 64-split tile: 4.1 against 2.9 us on
-    an H200). A forced `num_splits` (tests, benchmarks) may cut as fine
-    as one key tile."""
+    an H200). At least `min_keys` keys a split, rounded up to key tiles; a forced `num_splits`
+    (tests, benchmarks) may cut as fine as one key tile."""
     min_partition = block_n
     if num_splits is None:
         sms = _multiprocessor_count(device)
         num_splits = 1 if programs >= sms else 1 << ((_PROGRAMS_PER_SM * sms // programs).bit_length() - 1)
-        min_partition = cdiv(_MIN_PARTITION, block_n) * block_n
+        min_partition = cdiv(min_keys, block_n) * block_n
     return max(1, min(num_splits, _MAX_GRID_YZ, cdiv(max_kv, min_partition))), min_partition
 
 

@@ -32,6 +32,7 @@ _TRITON_MODULES = {
     "store_kvcache": "kv_cache",
     "qk_norm_rope_store": "qk_norm_rope",
     "paged_attention": "attention",
+    "qk_norm_rope_attention": "decode_attention",
     "sample": "sampling",
     "small_batch_linear": "gemv",
     "norm_linear": "gemv",

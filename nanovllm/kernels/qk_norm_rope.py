@@ -35,11 +35,13 @@ def _head_rows(ptr, token_offsets, token_mask, head_stride, heads, half, BLOCK_H
 
 @triton.jit
 def _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
+    """Halves of head rows along the last axis, of any rank; `cols` indexes that axis."""
     if HAS_NORM:
         # weights before the sums: a load placed after a reduction waits for it (see norm.py)
-        w1 = tl.load(weight_ptr + cols, mask=cols < half).to(tl.float32)[None, None, :]
-        w2 = tl.load(weight_ptr + half + cols, mask=cols < half).to(tl.float32)[None, None, :]
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / (2 * half) + eps)[:, :, None]
+        w1 = tl.load(weight_ptr + cols, mask=cols < half).to(tl.float32)
+        w2 = tl.load(weight_ptr + half + cols, mask=cols < half).to(tl.float32)
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, -1, keep_dims=True) + tl.sum(x2 * x2, -1, keep_dims=True)) / (2 * half)
+                           + eps)
         # rounded to the activation dtype, as the unfused norm's output is before rotary reads it
         x1 = (x1 * inv_rms * w1).to(dtype).to(tl.float32)
         x2 = (x2 * inv_rms * w2).to(dtype).to(tl.float32)

@@ -193,6 +193,17 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     return out
 
 
+def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, cu_seqlens_q,
+                           seq_lens, block_tables, max_seqlen_q, scale, sliding_window=None, q_weight=None,
+                           k_weight=None, eps=1e-6):
+    """The unfused composition: qk_norm_rope_store, then causal paged_attention."""
+    q = qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight,
+                           eps)
+    return paged_attention(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+                           block_tables=block_tables, max_seqlen_q=max_seqlen_q, scale=scale,
+                           sliding_window=sliding_window)
+
+
 def _padding_is_cheap(seq_lens, block_tables, k_cache) -> bool:
     """The batched decode path gathers every sequence to the widest block table: worth it
     while that at most quadruples the keys read and the gathered copy stays small."""

@@ -1,0 +1,252 @@
+"""Decode attention with what lies between the qkv projection and it in the same kernel:
+Qwen3's per-head q/k norms (optional), rotary, the write of the step's key and value into the
+paged cache, and attention over the cache split across programs, for steps in which every
+sequence brings one token and the grid is split (few sequences; docs/attention.md).
+
+At those sizes a kernel's cost is mostly its fixed latency, not its bytes: the
+separate `qk_norm_rope_store` launch of a layer and the wait for it go away. And every key a
+program reads from the cache but the step's own was written by an earlier step, so the first
+key tile of a program's split is loaded before it waits for the qkv projection (programmatic
+dependent launch), while that projection still streams its weights; the step's own key
+comes from registers and is stored once, by the program whose split holds it. Other steps
+(prefill, chunked prefill, mixed batches, unsplit decode batches) take the two kernels."""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels._tiling import next_power_of_2
+from nanovllm.kernels.attention import (_LOG2E, _kv_rows, _merge_splits, _padded_head_dim, _split_rows,
+                                        paged_attention, split_plan)
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
+from nanovllm.kernels.qk_norm_rope import _norm_rope, qk_norm_rope_store
+
+
+
+def _block_n(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Keys a tile holds, and the fewest a split gets: at batch 1 a short split is the one tile
+    loaded before the wait. Its K and V sit in registers across the wait, so wider heads and
+    fp32 caches on a GPU take fewer keys (the interpreter keeps the bf16 tiles)."""
+    if dtype == torch.float32 and device.type == "cuda":
+        return 16
+    return 64 if head_dim <= 128 else 32
+
+
+@triton.jit
+def _head_halves(ptr, offsets, row_mask, cols, half):
+    """[rows, half] first and second halves of the head rows at ptr + offsets, in fp32."""
+    mask = row_mask[:, None] & (cols < half)[None, :]
+    first = ptr + offsets[:, None] + cols[None, :]
+    return (tl.load(first, mask=mask, other=0.0).to(tl.float32),
+            tl.load(first + half, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key, cached_hi, offs_n, cols, half,
+              stride_btc, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr):
+    """The cached keys start..start+BLOCK_N that the query sees (first_key <= key < cached_hi):
+    their K and V halves and the mask of them."""
+    pos = start + offs_n
+    visible = (pos >= first_key) & (pos < cached_hi)
+    k_rows, v_rows = _kv_rows(block_table_row, start, offs_n, visible, stride_btc, stride_kb, stride_kt,
+                              stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
+    mask = visible[:, None] & (cols < half)[None, :]
+    k_first = k_head_ptr + k_rows[:, None] + cols[None, :]
+    v_first = v_head_ptr + v_rows[:, None] + cols[None, :]
+    return (tl.load(k_first, mask=mask, other=0.0), tl.load(k_first + half, mask=mask, other=0.0),
+            tl.load(v_first, mask=mask, other=0.0), tl.load(v_first + half, mask=mask, other=0.0), visible)
+
+
+@triton.jit
+def _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step; q, K and V in halves along the head dimension (the pairs rotary
+    mixes), so the rotated query needs no reassembly."""
+    qk = tl.dot(q1, tl.trans(k1), tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION),
+                input_precision=DOT_PRECISION)
+    qk = tl.where(visible[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    p_v = p.to(v1.dtype)
+    acc1 = tl.dot(p_v, v1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
+    acc2 = tl.dot(p_v, v2, acc2 * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc1, acc2, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["eps", "min_partition", "num_splits", "window", "stride_btr"])
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_mapping_ptr,
+    k_cache_ptr, v_cache_ptr, partial_ptr, lse_ptr, seq_lens_ptr, block_tables_ptr,
+    eps, qk_scale, min_partition, num_splits, window,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_kb, stride_kt_cache, stride_kh_cache, stride_vb, stride_vt_cache, stride_vh_cache,
+    stride_btr, stride_btc,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (sequence x kv head, 1, split): the grid and partial layout of paged attention's
+    split decode. Token t is sequence t's one query; its key, at
+    position seq_len - 1, is not in the cache yet. Rows are the GQA group's query heads.
+    Writes the normalised partial output and its log2-sum-exp for _merge_splits_kernel."""
+    pair = tl.program_id(0)
+    seq = pair // NUM_KV_HEADS
+    kv_head = pair % NUM_KV_HEADS
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    new_key = seq_len - 1
+    first_key = 0
+    if WINDOW:
+        first_key = tl.maximum(seq_len - window, 0)
+    lo = first_key // BLOCK_N * BLOCK_N
+    # Keys per split from this sequence's length, as in paged attention's split
+    partition = tl.maximum(min_partition, tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N)
+    lo += tl.program_id(2) * partition
+    hi = tl.minimum(seq_len, lo + partition)
+    cached_hi = tl.minimum(hi, new_key)
+    half = HEAD_DIM // 2
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_HALF)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_btr
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh_cache
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh_cache
+    # Before the wait: step metadata is written before the step's kernels run, cached keys by
+    # earlier steps.
+    k1, k2, v1, v2, visible = _key_tile(block_table_row, k_head_ptr, v_head_ptr, lo, first_key, cached_hi, offs_n,
+                                        cols, half, stride_btc, stride_kb, stride_kt_cache, stride_vb,
+                                        stride_vt_cache, BLOCK_N, BLOCK_SIZE)
+    # Every program waits, even one with nothing to do: were all to leave without waiting, the
+    # kernel could finish ahead of its predecessor and release the next kernel too early.
+    await_previous_kernel(PDL)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < GROUP
+    head = kv_head * GROUP + rows
+    token = seq.to(tl.int64)
+    split_row = _split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
+    if lo >= hi:
+        # Past the sequence's keys (a short sequence's later splits, a padding sequence with
+        # seq_len 0): lse = -inf tells the merge to skip the split.
+        tl.store(lse_ptr + split_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
+        return
+
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + position * stride_cs + cols, mask=cols < half).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + position * stride_cs + half + cols, mask=cols < half).to(tl.float32)
+    dtype = q_ptr.dtype.element_ty
+    cache_dtype = k_cache_ptr.dtype.element_ty
+    q1, q2 = _head_halves(q_ptr + token * stride_qt, head * stride_qh, row_mask, cols, half)
+    q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
+    # rounded as the unfused path stores the rotated q, then reads it in the cache's dtype
+    q1 = q1.to(dtype).to(cache_dtype)
+    q2 = q2.to(dtype).to(cache_dtype)
+
+    m_i = tl.zeros([BLOCK_M], tl.float32) - 1.0e30  # finite: see paged attention's kernel
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    acc1, acc2, m_i, l_i = _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale,
+                                        DOT_PRECISION)
+    for start in tl.range(lo + BLOCK_N, cached_hi, BLOCK_N):
+        k1, k2, v1, v2, visible = _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key, cached_hi,
+                                            offs_n, cols, half, stride_btc, stride_kb, stride_kt_cache, stride_vb,
+                                            stride_vt_cache, BLOCK_N, BLOCK_SIZE)
+        acc1, acc2, m_i, l_i = _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale,
+                                            DOT_PRECISION)
+
+    if new_key < hi:  # this split holds the step's key (new_key >= lo: every split but the last ends before it)
+        # Every row holds the same kv head's key and value: the score is a row-wise product,
+        # no broadcast of a vector needed.
+        same_head = tl.zeros([BLOCK_M], tl.int64) + kv_head
+        all_rows = rows >= 0
+        k_new1, k_new2 = _head_halves(k_ptr + token * stride_kt, same_head * stride_kh, all_rows, cols, half)
+        k_new1, k_new2 = _norm_rope(k_new1, k_new2, k_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
+        k_new1 = k_new1.to(dtype).to(cache_dtype)
+        k_new2 = k_new2.to(dtype).to(cache_dtype)
+        v_new1, v_new2 = _head_halves(v_ptr + token * stride_vt, same_head * stride_vh, all_rows, cols, half)
+        v_new1 = v_new1.to(cache_dtype)
+        v_new2 = v_new2.to(cache_dtype)
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int32)
+        # int32 division, int64 products: block * stride exceeds 2^31 elements in large caches
+        block, offset = (slot // BLOCK_SIZE).to(tl.int64), (slot % BLOCK_SIZE).to(tl.int64)
+        # one row stored: the [rows, half] pointers all address it, masked to row 0
+        store_mask = ((rows == 0) & (slot >= 0))[:, None] & (cols < half)[None, :]
+        row_cols = rows[:, None] * 0 + cols[None, :]
+        k_dest = k_head_ptr + block * stride_kb + offset * stride_kt_cache + row_cols
+        v_dest = v_head_ptr + block * stride_vb + offset * stride_vt_cache + row_cols
+        tl.store(k_dest, k_new1, mask=store_mask)
+        tl.store(k_dest + half, k_new2, mask=store_mask)
+        tl.store(v_dest, v_new1, mask=store_mask)
+        tl.store(v_dest + half, v_new2, mask=store_mask)
+        score = (tl.sum(q1.to(tl.float32) * k_new1.to(tl.float32), 1)
+                 + tl.sum(q2.to(tl.float32) * k_new2.to(tl.float32), 1)) * qk_scale
+        m_new = tl.maximum(m_i, score)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(score - m_new)
+        # p in V's dtype, as the tile step's second dot takes it
+        p_v = p.to(cache_dtype).to(tl.float32)[:, None]
+        acc1 = acc1 * alpha[:, None] + p_v * v_new1.to(tl.float32)
+        acc2 = acc2 * alpha[:, None] + p_v * v_new2.to(tl.float32)
+        l_i = l_i * alpha + p
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out_first = partial_ptr + split_row[:, None] * HEAD_DIM + cols[None, :]
+    out_mask = row_mask[:, None] & (cols < half)[None, :]
+    tl.store(out_first, acc1 / l_safe[:, None], mask=out_mask)
+    tl.store(out_first + half, acc2 / l_safe[:, None], mask=out_mask)
+    tl.store(lse_ptr + split_row, tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf")), mask=row_mask)
+
+
+def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, cu_seqlens_q,
+                           seq_lens, block_tables, max_seqlen_q, scale, sliding_window=None, q_weight=None,
+                           k_weight=None, eps: float = 1e-6, num_splits: int | None = None):
+    """See nanovllm.kernels.qk_norm_rope_attention. `num_splits` forces the KV split count (tests,
+    benchmarks); a count of 1 takes the two kernels."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if max_seqlen_q == 1 and num_tokens == num_seqs > 0:
+        max_kv = block_tables.shape[1] * block_size
+        if sliding_window:
+            max_kv = min(max_kv, sliding_window)
+        block_n = _block_n(head_dim, k_cache.dtype, q.device)
+        splits, min_partition = split_plan(num_seqs * num_kv_heads, max_kv, block_n, q.device, num_splits,
+                                           min_keys=block_n)
+        if splits > 1:
+            return _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens,
+                           block_tables, scale, sliding_window or 0, q_weight, k_weight, eps, splits, min_partition,
+                           block_n)
+    q = qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight,
+                           eps)
+    return paged_attention(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+                           block_tables=block_tables, max_seqlen_q=max_seqlen_q, scale=scale,
+                           sliding_window=sliding_window, num_splits=num_splits)
+
+
+def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens, block_tables, scale,
+            window: int, q_weight, k_weight, eps: float, splits: int, min_partition: int,
+            block_n: int) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # rows are addressed as token * token_stride + head * head_stride + d: unit stride along D
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    cos_sin = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
+    has_norm = q_weight is not None
+    partial = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(num_tokens * num_kv_heads, 1, splits)](
+        q, k, v, positions.contiguous(), cos_sin, q_weight.contiguous() if has_norm else cos_sin,
+        k_weight.contiguous() if has_norm else cos_sin, slot_mapping.contiguous(), k_cache, v_cache, partial, lse,
+        seq_lens, block_tables, float(eps), scale * _LOG2E, min_partition, splits, window,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *block_tables.stride(),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_HALF=max(16, next_power_of_2(head_dim // 2)),  # tl.dot needs K >= 16
+        BLOCK_M=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+        WINDOW=window > 0, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=3, **dependent_launch(q.get_device()))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _merge_splits(partial, lse, out, _padded_head_dim(head_dim))
+    return out

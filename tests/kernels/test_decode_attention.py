@@ -1,0 +1,164 @@
+"""qk_norm_rope_attention (q/k norm, rotary, the KV write and split attention; one kernel for
+decode steps of a few sequences) against the float64 composition of the references,
+qk_norm_rope_store then paged_attention (tolerances per dtype in test_attention.TOLERANCE):
+fp32 through Triton's interpreter (whose bf16 dots are not the GPU's), every dtype on a GPU.
+The cache slot of each step's key starts as NaN, as does every slot no sequence owns: a read
+of the step's key from the cache, or of any key outside a sequence, shows up."""
+import pytest
+import torch
+from kernel_testing import FP32_INTERPRETER_AND_GPU, capture_and_replay, require_triton
+from test_attention import MIXED, Case, assert_close, expected, make_case
+from test_rotary import cos_sin_cache, packed_qkv
+
+from nanovllm import kernels
+from nanovllm.kernels import reference
+
+try:
+    from nanovllm.kernels import decode_attention
+except ImportError:  # no Triton here: only the reference can run
+    decode_attention = None
+
+# Decode batch as the engine pads it for a CUDA graph (seq_len 0 rows of one query each); a
+# sequence whose one key is the step's own.
+DECODE = [300, 0, 17, 1, 64]
+
+
+def _decode_step(keys, heads, head_dim, block_size, dtype, device, window=None, qk_norm=True, seed=0):
+    """(case, qkv inputs, slot_mapping): sequence i has keys[i] keys, the last of which the
+    step brings as packed-qkv views; the cache holds the others."""
+    case = make_case([(1, n) for n in keys], heads, head_dim, block_size, dtype, device, spare_columns=3,
+                     sliding_window=window, seed=seed)
+    slots = [int(case.block_tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+             for i, n in enumerate(keys)]
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    for cache in (case.k_cache, case.v_cache):
+        cache.view(-1, *cache.shape[2:])[slot_mapping[slot_mapping >= 0]] = float("nan")
+    _, q, k, v = packed_qkv(len(keys), *heads, head_dim, dtype, device)
+    positions = (case.seq_lens - 1).clamp_min(0)
+    weights = dict(q_weight=torch.randn(head_dim, dtype=dtype, device=device) * 0.5 + 1,
+                   k_weight=torch.randn(head_dim, dtype=dtype, device=device) * 0.5 + 1) if qk_norm else {}
+    return case, (q, k, v, positions, cos_sin_cache(head_dim, device)), slot_mapping, weights
+
+
+def _check(case: Case, qkv_inputs, slot_mapping, weights, **launcher_kwargs) -> torch.Tensor:
+    """Output and caches against the reference; the caches change only at the step's slots,
+    k and v not at all."""
+    q, k, v, positions, cos_sin = qkv_inputs
+    caches = [c.double() for c in (case.k_cache, case.v_cache)]
+    q_rotated = reference.qk_norm_rope_store(q.double(), k.double(), v.double(), positions, cos_sin.double(),
+                                             *caches, slot_mapping, *(w.double() for w in weights.values()), eps=1e-6)
+    want = expected(Case(q_rotated, *caches, *(getattr(case, f) for f in (
+        "cu_seqlens_q", "seq_lens", "block_tables", "max_seqlen_q", "scale", "causal", "sliding_window"))))
+    before = [c.clone() for c in (case.k_cache, case.v_cache, k, v)]
+    args = (q, k, v, positions, cos_sin, case.k_cache, case.v_cache, slot_mapping)
+    kwargs = {n: val for n, val in case.kwargs().items() if n != "causal"} | weights | {"eps": 1e-6}
+    if launcher_kwargs:
+        out = decode_attention.qk_norm_rope_attention(*args, **kwargs, **launcher_kwargs)
+    else:
+        out = kernels.qk_norm_rope_attention(*args, **kwargs)
+    assert_close(out, want, case.q.dtype)
+    written = slot_mapping[slot_mapping >= 0]
+    for cache, cache_before, cache_want in zip((case.k_cache, case.v_cache), before, caches):
+        flat, flat_before = cache.flatten(0, 1), cache_before.flatten(0, 1)
+        assert_close(flat[written], cache_want.flatten(0, 1)[written], case.q.dtype)
+        others = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
+        others[written] = False
+        assert torch.equal(flat[others].isnan(), flat_before[others].isnan())
+        assert torch.equal(flat[others].nan_to_num(), flat_before[others].nan_to_num())
+    assert torch.equal(k, before[2]) and torch.equal(v, before[3])
+    return out
+
+
+@pytest.fixture
+def fused_only(monkeypatch):
+    """Fails the call if it takes the two kernels: the case must run the fused decode kernel."""
+    def unfused(*args, **kwargs):
+        raise AssertionError("took the unfused path")
+
+    monkeypatch.setattr(decode_attention, "qk_norm_rope_store", unfused)
+
+
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
+@pytest.mark.parametrize("heads,head_dim,block_size", [((16, 8), 128, 16), ((5, 1), 96, 64), ((4, 2), 64, 128)])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+def test_decode_matches_the_composition(fused_only, device, dtype, heads, head_dim, block_size, qk_norm):
+    """5 over 1: an odd GQA group; head_dim 96: a rotary half of 48, padded to 64; blocks of
+    16 under 64-key tiles: a tile spans blocks. Three splits: the keys of 300 spread, 17 in one
+    split, the others past their keys."""
+    require_triton(device)
+    step = _decode_step(DECODE, heads, head_dim, block_size, dtype, device, qk_norm=qk_norm)
+    out = _check(*step, num_splits=3)
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
+@pytest.mark.parametrize("window", [70, 200])
+def test_sliding_window(fused_only, device, dtype, window):
+    """Windows that start inside a key tile and a cache block, over more than one tile (a
+    window of at most one tile leaves nothing to split: the two kernels serve it)."""
+    require_triton(device)
+    _check(*_decode_step(DECODE, (8, 2), 64, 16, dtype, device, window=window), num_splits=4)
+
+
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU[:2])
+def test_one_sequence_splits_itself(fused_only, device, dtype):
+    """The engine's batch-1 step: no forced split count, the plan spreads 1,000 keys."""
+    require_triton(device)
+    # the interpreter's grid counts 4 SMs (attention._multiprocessor_count): one kv head to split
+    heads, block_size = ((16, 8), 128) if device == "cuda" else ((4, 1), 16)
+    _check(*_decode_step([1000], heads, 128, block_size, dtype, device))
+
+
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU[:2])
+@pytest.mark.parametrize("shape,num_splits", [(MIXED, None), ([(1, n) for n in DECODE if n], 1)],
+                         ids=["mixed", "unsplit-decode"])
+def test_other_steps_take_the_two_kernels(device, dtype, shape, num_splits):
+    """Prefill and mixed steps, and decode steps without a split, run qk_norm_rope_store then
+    paged attention."""
+    require_triton(device)
+    case = make_case(shape, (8, 2), 64, 16, dtype, device)
+    tokens = case.q.shape[0]
+    # each sequence's new tokens are its last ones: their slots, poisoned first
+    tables = case.block_tables.cpu().long()
+    slots = torch.cat([(tables[i].repeat_interleave(16)[:n] * 16 + torch.arange(n) % 16)[n - rows:]
+                       for i, (rows, n) in enumerate(shape)]).to(device)
+    for cache in (case.k_cache, case.v_cache):
+        cache.view(-1, *cache.shape[2:])[slots] = float("nan")
+    _, q, k, v = packed_qkv(tokens, 8, 2, 64, dtype, device)
+    positions = torch.cat([torch.arange(n - rows, n) for rows, n in shape]).to(device)
+    _check(case, (q, k, v, positions, cos_sin_cache(64, device)), slots, {},
+           **({"num_splits": num_splits} if num_splits else {}))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    case, qkv_inputs, slot_mapping, weights = _decode_step([1000, 3], (16, 8), 128, 128, torch.bfloat16, "cuda")
+    q, k, v, positions, cos_sin = qkv_inputs
+    fresh_caches = [c.clone() for c in (case.k_cache, case.v_cache)]
+
+    def step():
+        case.k_cache.copy_(fresh_caches[0])
+        case.v_cache.copy_(fresh_caches[1])
+        return kernels.qk_norm_rope_attention(
+            q, k, v, positions, cos_sin, case.k_cache, case.v_cache, slot_mapping,
+            **{n: val for n, val in case.kwargs().items() if n != "causal"}, **weights)
+
+    eager = step().clone()
+    assert torch.equal(capture_and_replay(step), eager)
+
+
+@pytest.mark.parametrize("field,change", [("slot_mapping", "short slots"), ("scale", "zero scale"),
+                                          ("k_weight", "q weight alone")])
+def test_bad_arguments_name_the_field(field, change):
+    case, (q, k, v, positions, cos_sin), slot_mapping, weights = _decode_step([5, 9], (4, 2), 64, 16, torch.float32,
+                                                                              "cpu")
+    kwargs = {n: val for n, val in case.kwargs().items() if n != "causal"} | weights
+    if change == "short slots":
+        slot_mapping = slot_mapping[:1]
+    elif change == "zero scale":
+        kwargs["scale"] = 0.0
+    else:
+        del kwargs["k_weight"]
+    with pytest.raises(ValueError, match=field):
+        kernels.qk_norm_rope_attention(q, k, v, positions, cos_sin, case.k_cache, case.v_cache, slot_mapping,
+                                       **kwargs)

@@ -477,27 +477,26 @@ def _with_fallback(launch, config: TileConfig, out, lse, split: bool, shape_clas
     _fitted_configs[key] = config
 
 
-def _kv_descriptors(k_cache, v_cache, wanted: bool, block_n: int, tile_d: int):
-    """TMA descriptors of the caches as [slots, kv heads * head dim] for full tiles of block_n
-    keys by tile_d columns, or (None, None) where the kernel keeps gathering rows: not
-    `wanted` (the caller's tiles are padded past the head, or its config has no `tma`), GPUs
-    before Hopper, key tiles that would span cache blocks, caches that are not one dense
-    array."""
+def _kv_descriptors(k_cache, v_cache, config: TileConfig, block_d: int):
+    """TMA descriptors of the caches as [slots, kv heads * head dim] for the full key tiles,
+    or (None, None) where the kernel keeps gathering rows: configs without `tma`, GPUs before
+    Hopper, key tiles that would span cache blocks, a padded head dim, caches that are not
+    one dense array."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if not (wanted and _has_tma(k_cache.device) and block_n <= block_size
+    if not (config.tma and _has_tma(k_cache.device) and config.block_n <= block_size and head_dim == block_d
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and all(t.data_ptr() % 16 == 0 for t in (k_cache, v_cache))
             and num_kv_heads * head_dim * k_cache.element_size() % 16 == 0):
         return None, None
     shape, strides = [num_blocks * block_size, num_kv_heads * head_dim], [num_kv_heads * head_dim, 1]
-    tile = [block_n, tile_d]
+    tile = [config.block_n, block_d]
     return TensorDescriptor(k_cache, shape, strides, tile), TensorDescriptor(v_cache, shape, strides, tile)
 
 
 def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal, window: int, grid,
                       min_partition, block_d, config: TileConfig, out, lse, split: bool) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config.tma and head_dim == block_d, config.block_n, block_d)
+    k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config, block_d)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_desc, v_desc, out, lse, cu_seqlens_q, seq_lens, block_tables,
         scale * _LOG2E, min_partition, grid[2], window,

@@ -15,12 +15,13 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._tiling import next_power_of_2
-from nanovllm.kernels.attention import (_LOG2E, _kv_descriptors, _kv_rows, _merge_splits, _padded_head_dim,
-                                        _split_rows, _tile_block, paged_attention, split_plan)
+from nanovllm.kernels.attention import (_LOG2E, _kv_rows, _merge_splits, _padded_head_dim,
+                                        _split_rows, paged_attention, split_plan)
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 from nanovllm.kernels.qk_norm_rope import _norm_rope, qk_norm_rope_store
 
 _NUM_STAGES = 3
+_NUM_WARPS = 4
 
 
 def _block_n(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -59,16 +60,10 @@ def _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key, cached_
 
 
 @triton.jit
-def _full_key_tile(block_table_row, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_col, start, offs_n, cols, half,
-                   stride_btc, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, USE_TMA: tl.constexpr):
-    """K and V halves of keys start..start+BLOCK_N, all cached and visible: with USE_TMA
-    (k_desc/v_desc describe the caches as [slots, kv heads * head dim], the tile inside one
-    block), four bulk copies; else unmasked row gathers (masked only along a padded head)."""
-    if USE_TMA:
-        cache_row = _tile_block(block_table_row, start, stride_btc, BLOCK_SIZE) * BLOCK_SIZE + start % BLOCK_SIZE
-        return (k_desc.load([cache_row, kv_col]), k_desc.load([cache_row, kv_col + half]),
-                v_desc.load([cache_row, kv_col]), v_desc.load([cache_row, kv_col + half]))
+def _full_key_tile(block_table_row, k_head_ptr, v_head_ptr, start, offs_n, cols, half, stride_btc, stride_kb,
+                   stride_kt, stride_vb, stride_vt, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """K and V halves of keys start..start+BLOCK_N, all cached and visible: loads masked only
+    along a padded head."""
     k_rows, v_rows = _kv_rows(block_table_row, start, offs_n, offs_n >= 0, stride_btc, stride_kb, stride_kt,
                               stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
     mask = (cols < half)[None, :]
@@ -102,14 +97,14 @@ def _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale
 @triton.jit(do_not_specialize=["eps", "min_partition", "num_splits", "window", "stride_btr"])
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_mapping_ptr,
-    k_cache_ptr, v_cache_ptr, k_desc, v_desc, partial_ptr, lse_ptr, seq_lens_ptr, block_tables_ptr,
+    k_cache_ptr, v_cache_ptr, partial_ptr, lse_ptr, seq_lens_ptr, block_tables_ptr,
     eps, qk_scale, min_partition, num_splits, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kb, stride_kt_cache, stride_kh_cache, stride_vb, stride_vt_cache, stride_vh_cache,
     stride_btr, stride_btc,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-    WINDOW: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, 1, split): the grid and partial layout of paged attention's
     split decode. Token t is sequence t's one query; its key, at
@@ -175,11 +170,10 @@ def _decode_attention_kernel(
     # Long splits: the full tiles after the first, then at most one that reaches past the
     # cached keys.
     full_hi = lo + tl.maximum((cached_hi - lo) // BLOCK_N, 1) * BLOCK_N
-    kv_col = kv_head * HEAD_DIM
     for start in tl.range(lo + BLOCK_N, full_hi, BLOCK_N):
-        k1, k2, v1, v2 = _full_key_tile(block_table_row, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_col, start,
-                                        offs_n, cols, half, stride_btc, stride_kb, stride_kt_cache, stride_vb,
-                                        stride_vt_cache, BLOCK_N, BLOCK_SIZE, USE_TMA)
+        k1, k2, v1, v2 = _full_key_tile(block_table_row, k_head_ptr, v_head_ptr, start, offs_n, cols, half,
+                                        stride_btc, stride_kb, stride_kt_cache, stride_vb, stride_vt_cache, BLOCK_N,
+                                        BLOCK_SIZE)
         acc1, acc2, m_i, l_i = _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale,
                                             DOT_PRECISION, False)
     if full_hi < cached_hi:
@@ -270,18 +264,17 @@ def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, s
     cos_sin = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
     has_norm = q_weight is not None
     block_half = max(16, next_power_of_2(head_dim // 2))  # tl.dot needs K >= 16
-    k_desc, v_desc = _kv_descriptors(k_cache, v_cache, block_half == head_dim // 2, block_n, block_half)
     partial = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
     _decode_attention_kernel[(num_tokens * num_kv_heads, 1, splits)](
         q, k, v, positions.contiguous(), cos_sin, q_weight.contiguous() if has_norm else cos_sin,
-        k_weight.contiguous() if has_norm else cos_sin, slot_mapping.contiguous(), k_cache, v_cache, k_desc, v_desc, partial,
-        lse, seq_lens, block_tables, float(eps), scale * _LOG2E, min_partition, splits, window,
+        k_weight.contiguous() if has_norm else cos_sin, slot_mapping.contiguous(), k_cache, v_cache, partial, lse,
+        seq_lens, block_tables, float(eps), scale * _LOG2E, min_partition, splits, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *block_tables.stride(),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_HALF=block_half, BLOCK_M=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
-        WINDOW=window > 0, USE_TMA=k_desc is not None, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=_NUM_STAGES, **dependent_launch(q.get_device()))
+        WINDOW=window > 0, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **dependent_launch(q.get_device()))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _merge_splits(partial, lse, out, _padded_head_dim(head_dim))
     return out

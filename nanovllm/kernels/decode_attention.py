@@ -1,15 +1,16 @@
 """Decode attention with what lies between the qkv projection and it in the same kernel:
 Qwen3's per-head q/k norms (optional), rotary, the write of the step's key and value into the
-paged cache, and attention over the cache split across programs, for steps in which every
-sequence brings one token and the grid is split (few sequences; docs/attention.md).
+paged cache, and attention over the cache split across programs. Decode steps whose grid is
+split at least _MIN_SPLITS ways (a few sequences) run it, then the split merge; other steps
+(prefill, chunked prefill, mixed batches, larger decode batches) take qk_norm_rope_store and
+paged attention. docs/attention.md has the design and the measurements.
 
-At those sizes a kernel's cost is mostly its fixed latency, not its bytes: the
-separate `qk_norm_rope_store` launch of a layer and the wait for it go away. And every key a
-program reads from the cache but the step's own was written by an earlier step, so the first
-key tile of a program's split is loaded before it waits for the qkv projection (programmatic
-dependent launch), while that projection still streams its weights; the step's own key
-comes from registers and is stored once, by the program whose split holds it. Other steps
-(prefill, chunked prefill, mixed batches, unsplit decode batches) take the two kernels."""
+At those sizes a kernel's cost is mostly its fixed latency, so the layer's separate
+qk_norm_rope_store launch is the saving (Qwen3-0.6B shape, batch 1 at 1k keys, H200: 204 -> 176
+kernels and 713 -> 681 us of GPU busy time a step). Every key a program reads from the cache
+but the step's own was written by an earlier step, so the first key tile of a split loads
+before the wait for the qkv projection (programmatic dependent launch); the step's own key
+comes from registers and is stored once, by the program whose split holds it."""
 import torch
 import triton
 import triton.language as tl
@@ -20,8 +21,14 @@ from nanovllm.kernels.attention import (_LOG2E, _kv_rows, _merge_splits, _padded
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 from nanovllm.kernels.qk_norm_rope import _norm_rope, qk_norm_rope_store
 
-_NUM_STAGES = 3
-_NUM_WARPS = 4
+# Planned splits from which decode steps take the fused kernel. Its key tiles are gathered 64
+# keys at a time in head halves, and over long splits they stream slower than paged
+# attention's 128-key tiles: H200, Qwen3-0.6B shape, step time fused against two kernels,
+# batch 1 (32 splits) 0.709 / 0.731 ms at 1k keys, 1.606 / 1.601 at 32k; batch 4 (8 splits)
+# 1.058 / 1.118 and 4.400 / 4.329; batch 16 (2 splits) 1.573 / 1.603 and 14.82 / 14.19.
+_MIN_SPLITS = 8
+_NUM_STAGES = 3  # of 2 to 5, 3 and 4 the fastest (5: batch 4 x 32k 4.40 -> 5.41 ms)
+_NUM_WARPS = 4  # 8: batch 1 x 32k 1.606 -> 1.690 ms
 
 
 def _block_n(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -231,7 +238,7 @@ def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, 
                            seq_lens, block_tables, max_seqlen_q, scale, sliding_window=None, q_weight=None,
                            k_weight=None, eps: float = 1e-6, num_splits: int | None = None):
     """See nanovllm.kernels.qk_norm_rope_attention. `num_splits` forces the KV split count (tests,
-    benchmarks); a count of 1 takes the two kernels."""
+    benchmarks): more than one takes the fused kernel, one the two kernels."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -242,7 +249,7 @@ def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, 
         block_n = _block_n(head_dim, k_cache.dtype, q.device)
         splits, min_partition = split_plan(num_seqs * num_kv_heads, max_kv, block_n, q.device, num_splits,
                                            min_keys=block_n)
-        if splits > 1:
+        if splits >= (2 if num_splits else _MIN_SPLITS):
             return _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens,
                            block_tables, scale, sliding_window or 0, q_weight, k_weight, eps, splits, min_partition,
                            block_n)

@@ -1,6 +1,7 @@
 """Benchmarks nanovllm's Triton paged attention on one GPU in bf16: prefill against PyTorch
-SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path, split,
-block-size and tile sweeps, compile time. Every configuration is checked against the PyTorch
+SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path, small decode
+batches through qk_norm_rope_attention's fused kernel against the two kernels it replaces,
+split, block-size and tile sweeps, compile time. Every configuration is checked against the PyTorch
 reference before it is timed. Writes bench_attention.json and bench_attention.md into --out.
 
     python -m benchmarks.bench_attention --out DIR
@@ -35,6 +36,9 @@ SMALL_DECODES = [dict(name="decode 1 x 640 (table for 4096)", query_lens=[1], se
                       table_tokens=4096),
                  dict(name="decode 1 x 32768", query_lens=[1], seq_lens=[32768], table_tokens=32768)]
 SPLITS = [None, 1, 2, 4, 8, 16, 32, 64, 128]
+# Decode steps the fused kernel serves (tables as wide as the engine's for a 32k max_model_len).
+FUSED_DECODES = [dict(name=f"decode {batch} x {keys}", query_lens=[1] * batch, seq_lens=[keys] * batch,
+                      table_tokens=32768) for batch in (1, 4) for keys in (1024, 32768)]
 # (block_m, block_n, num_warps, num_stages, tma) tried next to the defaults. Stages count past the
 # block-table load, which takes one, so 5 stages give K/V tiles two buffers.
 PREFILL_TILES = [(128, 64, 8, 5, False), (128, 64, 8, 6, True), (128, 64, 8, 3, True), (128, 128, 8, 3, True),
@@ -73,6 +77,8 @@ def main():
     results["prefill"] = bench.prefill()
     log("decode")
     results["decode"] = [bench.decode(spec) for spec in DECODES]
+    log("fused decode")
+    results["fused_decode"] = [bench.fused_decode(spec) for spec in FUSED_DECODES]
     log("split sweep")
     results["split_sweep"] = bench.split_sweep()
     if not args.skip_sweeps:
@@ -246,6 +252,48 @@ class Bench:
             row |= {"torch_gather_sdpa_ms": torch_ms, "speed_vs_torch": torch_ms / ms}
         return row
 
+    def fused_decode(self, spec: dict) -> dict:
+        """kernels.qk_norm_rope_attention's fused decode kernel (with the merge) against
+        qk_norm_rope_store then paged attention, Qwen3's q/k norms on: the step's key rotated,
+        stored and attended to."""
+        torch = self.torch
+        from nanovllm.kernels import decode_attention, qk_norm_rope
+        w = self.workload(spec)
+        heads, kv_heads, head_dim = w["q"].shape[1], w["k_cache"].shape[2], w["q"].shape[2]
+        k, v = (torch.randn(len(spec["seq_lens"]), kv_heads, head_dim, device=self.device, dtype=torch.bfloat16,
+                            generator=self.gen) for _ in range(2))
+        block_size = w["k_cache"].shape[1]
+        last = w["seq_lens"].long() - 1
+        blocks = w["block_tables"].long().gather(1, (last // block_size)[:, None]).view(-1)
+        slots = blocks * block_size + last % block_size
+        cos_sin = torch.randn(32768, head_dim, device=self.device, generator=self.gen)
+        # unit norm weights: the two kernels rewrite q in place on every timed call, and a norm
+        # with weights of 1 leaves its own output as it is
+        ones = torch.ones(head_dim, device=self.device, dtype=torch.bfloat16)
+        weights = dict(q_weight=ones, k_weight=ones)
+        raw_q = w.pop("q")
+        rotated_q = raw_q.clone()
+        inputs = (k, v, last, cos_sin, w["k_cache"], w["v_cache"], slots)
+        metadata = {name: w[name] for name in ("cu_seqlens_q", "seq_lens", "block_tables", "max_seqlen_q", "scale")}
+        fused = lambda: decode_attention.qk_norm_rope_attention(raw_q, *inputs, **metadata, **weights)  # noqa: E731
+
+        def two_kernels():
+            q = qk_norm_rope.qk_norm_rope_store(rotated_q, *inputs, **weights)
+            return self.attention.paged_attention(q, w["k_cache"], w["v_cache"], **metadata)
+
+        expected = self.reference.qk_norm_rope_attention(raw_q.double(), k.double(), v.double(), last,
+                                                          cos_sin.double(), w["k_cache"].double(),
+                                                          w["v_cache"].double(), slots, **metadata,
+                                                          **{n: t.double() for n, t in weights.items()})
+        for name, run in (("fused", fused), ("two kernels", two_kernels)):
+            out = run().double()
+            err = ((out - expected).norm() / expected.norm()).item()
+            if not err < TOLERANCE:
+                raise SystemExit(f"{spec['name']}, {name}: relative error {err:.3e} -- not timing a wrong kernel")
+        fused_ms, two_ms = self.time_ms(fused), self.time_ms(two_kernels)
+        return {"workload": spec["name"], "fused_ms": fused_ms, "two_kernels_ms": two_ms,
+                "speed_vs_two_kernels": two_ms / fused_ms}
+
     def split_sweep(self) -> list[dict]:
         """Forced split counts (None: split_plan's choice) for small decode batches."""
         rows = []
@@ -330,6 +378,10 @@ def to_markdown(results: dict) -> str:
     lines += [f"| {d['workload']} | {d['splits']} | {d['ms']:.4f} | {d['floor_ms']:.4f} | {d['GBps']:.0f} | "
               f"{d['bandwidth_fraction']:.0%} | {d['torch_gather_sdpa_ms']:.4f} | {d['speed_vs_torch']:.2f}x |"
               for d in results["decode"]]
+    lines += ["", "## Fused decode (q/k norm, rotary, KV write and attention), against the two kernels", "",
+              "| workload | fused ms | two kernels ms | speed-up |", "|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['fused_ms']:.4f} | {r['two_kernels_ms']:.4f} | "
+              f"{r['speed_vs_two_kernels']:.2f}x |" for r in results["fused_decode"]]
     lines += [""]
     lines += ["## Compile time", "", "| workload | call | seconds | new kernel variants |", "|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['call']} | {r['seconds']:.3f} | {r['new_variants']} |"

@@ -54,11 +54,13 @@ def _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key, cached_
               stride_btc, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N: tl.constexpr,
               BLOCK_SIZE: tl.constexpr):
     """The cached keys start..start+BLOCK_N that the query sees (first_key <= key < cached_hi):
-    their K and V halves and the mask of them."""
+    their K and V halves and the mask of them. A tile wholly past the cached keys (a split past
+    the sequence's end, loaded before the exit) takes its addresses from key 0: its block-table
+    column may lie past the table."""
     pos = start + offs_n
     visible = (pos >= first_key) & (pos < cached_hi)
-    k_rows, v_rows = _kv_rows(block_table_row, start, offs_n, visible, stride_btc, stride_kb, stride_kt,
-                              stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
+    k_rows, v_rows = _kv_rows(block_table_row, tl.where(start < cached_hi, start, 0), offs_n, visible, stride_btc,
+                              stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
     mask = visible[:, None] & (cols < half)[None, :]
     k_first = k_head_ptr + k_rows[:, None] + cols[None, :]
     v_first = v_head_ptr + v_rows[:, None] + cols[None, :]
@@ -114,9 +116,9 @@ def _decode_attention_kernel(
     WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, 1, split): the grid and partial layout of paged attention's
-    split decode. Token t is sequence t's one query; its key, at
-    position seq_len - 1, is not in the cache yet. Rows are the GQA group's query heads.
-    Writes the normalised partial output and its log2-sum-exp for _merge_splits_kernel."""
+    split decode. Token t is sequence t's one query; its key, at position seq_len - 1, is not
+    in the cache yet. Rows are the GQA group's query heads. Writes the normalised partial
+    output and its log2-sum-exp for _merge_splits_kernel."""
     pair = tl.program_id(0)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -126,7 +128,7 @@ def _decode_attention_kernel(
     if WINDOW:
         first_key = tl.maximum(seq_len - window, 0)
     lo = first_key // BLOCK_N * BLOCK_N
-    # Keys per split from this sequence's length, as in paged attention's split
+    # Keys per split from this sequence's length, as in paged attention's split.
     partition = tl.maximum(min_partition, tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N)
     lo += tl.program_id(2) * partition
     hi = tl.minimum(seq_len, lo + partition)
@@ -158,8 +160,9 @@ def _decode_attention_kernel(
         return
 
     position = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + position * stride_cs + cols, mask=cols < half).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + position * stride_cs + half + cols, mask=cols < half).to(tl.float32)
+    # other=0: the padded lanes of a half (head dim 96) enter the dot products
+    cos = tl.load(cos_sin_ptr + position * stride_cs + cols, mask=cols < half, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + position * stride_cs + half + cols, mask=cols < half, other=0.0).to(tl.float32)
     dtype = q_ptr.dtype.element_ty
     cache_dtype = k_cache_ptr.dtype.element_ty
     q1, q2 = _head_halves(q_ptr + token * stride_qt, head * stride_qh, row_mask, cols, half)
@@ -190,7 +193,8 @@ def _decode_attention_kernel(
         acc1, acc2, m_i, l_i = _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale,
                                             DOT_PRECISION, True)
 
-    if new_key < hi:  # this split holds the step's key (new_key >= lo: every split but the last ends before it)
+    # The split that holds the step's key: the last with keys (new_key >= lo, as lo < hi).
+    if new_key < hi:
         # Every row holds the same kv head's key and value: the score is a row-wise product,
         # no broadcast of a vector needed.
         same_head = tl.zeros([BLOCK_M], tl.int64) + kv_head
@@ -238,7 +242,8 @@ def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, 
                            seq_lens, block_tables, max_seqlen_q, scale, sliding_window=None, q_weight=None,
                            k_weight=None, eps: float = 1e-6, num_splits: int | None = None):
     """See nanovllm.kernels.qk_norm_rope_attention. `num_splits` forces the KV split count (tests,
-    benchmarks): more than one takes the fused kernel, one the two kernels."""
+    benchmarks): a decode step whose forced count split_plan keeps above one takes the fused
+    kernel, others the two kernels."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -270,7 +275,7 @@ def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, s
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     cos_sin = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
     has_norm = q_weight is not None
-    block_half = max(16, next_power_of_2(head_dim // 2))  # tl.dot needs K >= 16
+    block_half = _padded_head_dim(head_dim // 2)
     partial = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
     _decode_attention_kernel[(num_tokens * num_kv_heads, 1, splits)](
@@ -279,7 +284,8 @@ def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, s
         seq_lens, block_tables, float(eps), scale * _LOG2E, min_partition, splits, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *block_tables.stride(),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_HALF=block_half, BLOCK_M=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_HALF=block_half,
+        BLOCK_M=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
         WINDOW=window > 0, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **dependent_launch(q.get_device()))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -19,8 +19,9 @@ kernel reads (these kernels take their constants as arguments).
 Under TRITON_INTERPRET=1 `triton.jit` returns no JITFunction and the kernel is left as it is.
 NANOVLLM_FAST_LAUNCH=0 (or `launch.enabled = False`) sends every launch through Triton's path.
 
-Programmatic dependent launch (Hopper and later): every kernel of the package starts with
-`await_previous_kernel` and is launched with `launch_pdl`, so the GPU schedules its programs
+Programmatic dependent launch (Hopper and later): every kernel of the package calls
+`await_previous_kernel` before it reads anything an earlier kernel of the step may write, and
+is launched with `launch_pdl`, so the GPU schedules its programs
 while the kernel before it in the stream is still running, and they start work the moment
 that kernel's results are visible, instead of after a full launch round trip.
 NANOVLLM_PDL=0 turns it off."""
@@ -58,11 +59,11 @@ def dependent_launch(device_index: int) -> dict:
 
 @triton.jit
 def await_previous_kernel(PDL: tl.constexpr):
-    """The first statement of every kernel here (paged attention's first after reading its
-    step metadata, which no kernel of this package writes). Waits until the kernel before it
-    in the stream has finished and its writes are visible, then lets the kernel after it be
-    scheduled: its programs wait here in turn, so no kernel reads its predecessor's
-    unfinished output. Kernels without PDL (cuBLAS, PyTorch's) neither signal early nor start
+    """The first statement of every kernel here, but for loads of what no kernel of the step
+    writes: step metadata (paged attention), weights (the GEMV), keys cached by earlier steps
+    (decode attention). Waits until the kernel before it in the stream has finished and its
+    writes are visible, then lets the kernel after it be scheduled: its programs wait here in
+    turn, so no kernel reads its predecessor's unfinished output. Kernels without PDL (cuBLAS, PyTorch's) neither signal early nor start
     early, and order with these as usual."""
     if PDL:
         tl.extra.cuda.gdc_wait()

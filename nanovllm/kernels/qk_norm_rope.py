@@ -38,8 +38,8 @@ def _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM: tl.const
     """Halves of head rows along the last axis, of any rank; `cols` indexes that axis."""
     if HAS_NORM:
         # weights before the sums: a load placed after a reduction waits for it (see norm.py)
-        w1 = tl.load(weight_ptr + cols, mask=cols < half).to(tl.float32)
-        w2 = tl.load(weight_ptr + half + cols, mask=cols < half).to(tl.float32)
+        w1 = tl.load(weight_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
         inv_rms = tl.rsqrt((tl.sum(x1 * x1, -1, keep_dims=True) + tl.sum(x2 * x2, -1, keep_dims=True)) / (2 * half)
                            + eps)
         # rounded to the activation dtype, as the unfused norm's output is before rotary reads it

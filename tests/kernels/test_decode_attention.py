@@ -19,8 +19,8 @@ except ImportError:  # no Triton here: only the reference can run
     decode_attention = None
 
 # Decode batch as the engine pads it for a CUDA graph (seq_len 0 rows of one query each); a
-# sequence whose one key is the step's own.
-DECODE = [300, 0, 17, 1, 64]
+# sequence whose one key is the step's own; one whose last split (of 64-key tiles) holds only it.
+DECODE = [300, 0, 17, 1, 65]
 
 
 def _decode_step(keys, heads, head_dim, block_size, dtype, device, window=None, qk_norm=True, seed=0):
@@ -69,13 +69,21 @@ def _check(case: Case, qkv_inputs, slot_mapping, weights, **launcher_kwargs) -> 
     return out
 
 
+def _fails(path: str):
+    def call(*args, **kwargs):
+        raise AssertionError(f"took {path}")
+    return call
+
+
 @pytest.fixture
 def fused_only(monkeypatch):
     """Fails the call if it takes the two kernels: the case must run the fused decode kernel."""
-    def unfused(*args, **kwargs):
-        raise AssertionError("took the unfused path")
+    monkeypatch.setattr(decode_attention, "qk_norm_rope_store", _fails("the two kernels"))
 
-    monkeypatch.setattr(decode_attention, "qk_norm_rope_store", unfused)
+
+@pytest.fixture
+def unfused_only(monkeypatch):
+    monkeypatch.setattr(decode_attention, "_decode", _fails("the fused kernel"))
 
 
 @pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
@@ -86,8 +94,7 @@ def test_decode_matches_the_composition(fused_only, device, dtype, heads, head_d
                                         num_splits):
     """5 over 1: an odd GQA group; head_dim 96: a rotary half of 48, padded to 64; blocks of
     16 under 64-key tiles: a tile spans blocks. Two splits of the 300 keys: 192, three tiles,
-    then 108, a tile and a tail; three: 128 each. Of the other sequences' splits, one holds
-    their keys, the others none."""
+    then 108, a tile and a tail; three: 128, 128 and 44."""
     require_triton(device)
     step = _decode_step(DECODE, heads, head_dim, block_size, dtype, device, qk_norm=qk_norm)
     out = _check(*step, num_splits=num_splits)
@@ -113,12 +120,15 @@ def test_one_sequence_splits_itself(fused_only, device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU[:2])
-@pytest.mark.parametrize("shape,num_splits", [(MIXED, None), ([(1, n) for n in DECODE if n], 1)],
-                         ids=["mixed", "unsplit-decode"])
-def test_other_steps_take_the_two_kernels(device, dtype, shape, num_splits):
-    """Prefill and mixed steps, and decode steps without a split, run qk_norm_rope_store then
-    paged attention."""
+@pytest.mark.parametrize("shape,num_splits", [(MIXED, None), ([(1, n) for n in DECODE if n], 1), (None, None)],
+                         ids=["mixed", "unsplit-decode", "decode-split-4-ways"])
+def test_other_steps_take_the_two_kernels(unfused_only, device, dtype, shape, num_splits):
+    """Prefill and mixed steps, and decode steps split fewer than _MIN_SPLITS ways, run
+    qk_norm_rope_store then paged attention. The plan splits 4 ways one sequence of 2 kv heads
+    in the interpreter (which counts 4 SMs), 17 sequences on a 132-SM GPU."""
     require_triton(device)
+    if shape is None:
+        shape = [(1, 300)] * (1 if device == "cpu" else 17)
     case = make_case(shape, (8, 2), 64, 16, dtype, device)
     tokens = case.q.shape[0]
     # each sequence's new tokens are its last ones: their slots, poisoned first

@@ -404,6 +404,13 @@ def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
     return max(1, min(num_splits, _MAX_GRID_YZ, cdiv(max_kv, min_partition))), min_partition
 
 
+def keys_read(block_tables, block_size: int, sliding_window: int | None, max_seqlen_q: int) -> int:
+    """The most keys one query tile may read, from host-known shapes: the block table's width,
+    or with a sliding window its rows' windows."""
+    max_kv = block_tables.shape[1] * block_size
+    return min(max_kv, sliding_window + max_seqlen_q - 1) if sliding_window else max_kv
+
+
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
                     sliding_window: int | None = None, num_splits: int | None = None,
                     config: TileConfig | None = None):
@@ -423,9 +430,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     if q_tiles > _MAX_GRID_YZ:
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} query rows need {q_tiles} tiles, over the grid limit")
     programs = num_seqs * num_kv_heads * q_tiles
-    max_kv = block_tables.shape[1] * block_size
-    if sliding_window:  # the keys one query tile reads: its rows' windows
-        max_kv = min(max_kv, sliding_window + max_seqlen_q - 1)
+    max_kv = keys_read(block_tables, block_size, sliding_window, max_seqlen_q)
     splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
     if forced_config is None and splits > 1:  # a deeper pipeline, maybe wider key tiles
         config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, True, block_size)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from nanovllm.kernels._tiling import next_power_of_2
 from nanovllm.kernels.attention import (_LOG2E, _kv_rows, _merge_splits, _padded_head_dim,
-                                        _split_rows, paged_attention, split_plan)
+                                        _split_rows, keys_read, paged_attention, split_plan)
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 from nanovllm.kernels.qk_norm_rope import _norm_rope, qk_norm_rope_store
 
@@ -52,34 +52,25 @@ def _head_halves(ptr, offsets, row_mask, cols, half):
 @triton.jit
 def _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key, cached_hi, offs_n, cols, half,
               stride_btc, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N: tl.constexpr,
-              BLOCK_SIZE: tl.constexpr):
-    """The cached keys start..start+BLOCK_N that the query sees (first_key <= key < cached_hi):
-    their K and V halves and the mask of them. A tile wholly past the cached keys (a split past
-    the sequence's end, loaded before the exit) takes its addresses from key 0: its block-table
-    column may lie past the table."""
+              BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """K and V halves of keys start..start+BLOCK_N and the mask of those the query sees
+    (first_key <= key < cached_hi). Tiles not MASKED are all cached and visible: their loads
+    are masked only along a padded head. A masked tile wholly past the cached keys (a split
+    past the sequence's end, loaded before the exit) takes its addresses from key 0: its
+    block-table column may lie past the table."""
     pos = start + offs_n
     visible = (pos >= first_key) & (pos < cached_hi)
-    k_rows, v_rows = _kv_rows(block_table_row, tl.where(start < cached_hi, start, 0), offs_n, visible, stride_btc,
-                              stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
-    mask = visible[:, None] & (cols < half)[None, :]
+    if MASKED:
+        start = tl.where(start < cached_hi, start, 0)
+        mask = visible[:, None] & (cols < half)[None, :]
+    else:
+        mask = (cols < half)[None, :]
+    k_rows, v_rows = _kv_rows(block_table_row, start, offs_n, visible, stride_btc, stride_kb, stride_kt, stride_vb,
+                              stride_vt, BLOCK_N, BLOCK_SIZE)
     k_first = k_head_ptr + k_rows[:, None] + cols[None, :]
     v_first = v_head_ptr + v_rows[:, None] + cols[None, :]
     return (tl.load(k_first, mask=mask, other=0.0), tl.load(k_first + half, mask=mask, other=0.0),
             tl.load(v_first, mask=mask, other=0.0), tl.load(v_first + half, mask=mask, other=0.0), visible)
-
-
-@triton.jit
-def _full_key_tile(block_table_row, k_head_ptr, v_head_ptr, start, offs_n, cols, half, stride_btc, stride_kb,
-                   stride_kt, stride_vb, stride_vt, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """K and V halves of keys start..start+BLOCK_N, all cached and visible: loads masked only
-    along a padded head."""
-    k_rows, v_rows = _kv_rows(block_table_row, start, offs_n, offs_n >= 0, stride_btc, stride_kb, stride_kt,
-                              stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
-    mask = (cols < half)[None, :]
-    k_first = k_head_ptr + k_rows[:, None] + cols[None, :]
-    v_first = v_head_ptr + v_rows[:, None] + cols[None, :]
-    return (tl.load(k_first, mask=mask, other=0.0), tl.load(k_first + half, mask=mask, other=0.0),
-            tl.load(v_first, mask=mask, other=0.0), tl.load(v_first + half, mask=mask, other=0.0))
 
 
 @triton.jit
@@ -143,7 +134,7 @@ def _decode_attention_kernel(
     # earlier steps.
     k1, k2, v1, v2, visible = _key_tile(block_table_row, k_head_ptr, v_head_ptr, lo, first_key, cached_hi, offs_n,
                                         cols, half, stride_btc, stride_kb, stride_kt_cache, stride_vb,
-                                        stride_vt_cache, BLOCK_N, BLOCK_SIZE)
+                                        stride_vt_cache, BLOCK_N, BLOCK_SIZE, True)
     # Every program waits, even one with nothing to do: were all to leave without waiting, the
     # kernel could finish ahead of its predecessor and release the next kernel too early.
     await_previous_kernel(PDL)
@@ -181,15 +172,15 @@ def _decode_attention_kernel(
     # cached keys.
     full_hi = lo + tl.maximum((cached_hi - lo) // BLOCK_N, 1) * BLOCK_N
     for start in tl.range(lo + BLOCK_N, full_hi, BLOCK_N):
-        k1, k2, v1, v2 = _full_key_tile(block_table_row, k_head_ptr, v_head_ptr, start, offs_n, cols, half,
-                                        stride_btc, stride_kb, stride_kt_cache, stride_vb, stride_vt_cache, BLOCK_N,
-                                        BLOCK_SIZE)
+        k1, k2, v1, v2, visible = _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key, cached_hi,
+                                            offs_n, cols, half, stride_btc, stride_kb, stride_kt_cache, stride_vb,
+                                            stride_vt_cache, BLOCK_N, BLOCK_SIZE, False)
         acc1, acc2, m_i, l_i = _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale,
                                             DOT_PRECISION, False)
     if full_hi < cached_hi:
         k1, k2, v1, v2, visible = _key_tile(block_table_row, k_head_ptr, v_head_ptr, full_hi, first_key, cached_hi,
                                             offs_n, cols, half, stride_btc, stride_kb, stride_kt_cache, stride_vb,
-                                            stride_vt_cache, BLOCK_N, BLOCK_SIZE)
+                                            stride_vt_cache, BLOCK_N, BLOCK_SIZE, True)
         acc1, acc2, m_i, l_i = _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale,
                                             DOT_PRECISION, True)
 
@@ -248,10 +239,8 @@ def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, 
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
     if max_seqlen_q == 1 and num_tokens == num_seqs > 0:
-        max_kv = block_tables.shape[1] * block_size
-        if sliding_window:
-            max_kv = min(max_kv, sliding_window)
         block_n = _block_n(head_dim, k_cache.dtype, q.device)
+        max_kv = keys_read(block_tables, block_size, sliding_window, max_seqlen_q)
         splits, min_partition = split_plan(num_seqs * num_kv_heads, max_kv, block_n, q.device, num_splits,
                                            min_keys=block_n)
         if splits >= (2 if num_splits else _MIN_SPLITS):

@@ -29,12 +29,13 @@ def test_each_child_starts_with_its_environment():
     envs = [{"NANOVLLM_TEST_VALUE": "0,1"}, {"NANOVLLM_TEST_VALUE": "2,3"}]
     workers = Workers.spawn(answer_at_once, [(), ()], ["first", "second"], envs=envs)
     try:
+        assert workers.wait_all() == ["ready", "ready"]
         # The environment a process was started with: set before any import of the child's.
+        # Read once both answered: until a child's exec, /proc shows the parent's initial one.
         initial = [open(f"/proc/{p.pid}/environ", "rb").read().split(b"\0") for p in workers.processes]
         assert [b"NANOVLLM_TEST_VALUE=0,1" in e for e in initial] == [True, False]
         assert [b"NANOVLLM_TEST_VALUE=2,3" in e for e in initial] == [False, True]
         assert "NANOVLLM_TEST_VALUE" not in os.environ
-        assert workers.wait_all() == ["ready", "ready"]
     finally:
         workers.stop()
         workers.join()

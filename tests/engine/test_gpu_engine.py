@@ -121,6 +121,36 @@ def test_gemv_matches_cublas_up_to_near_ties(checkpoint, hf_model, monkeypatch, 
             assert gap < BF16_TIE, f"token {i}: {got[i]} instead of {want[i]}, relative logit gap {gap:.3g}"
 
 
+def test_sampling_graphs_draw_the_eager_samplers_tokens(checkpoint):
+    """Decode steps of one sequence that draws without filters or log-probabilities take its
+    token from a captured sampling graph; the same engine without those graphs samples the same
+    logits eagerly. Seeded temperature rows and a greedy one give equal tokens; rows with a
+    filter or log-probabilities never take the graph."""
+    llm = LLM(str(checkpoint), **{**ENGINE, "dtype": "float32"})
+    runner = llm.model_runner
+    assert set(runner.sample_graphs) == {shape for shape in runner.graph_logits if shape[1] == 1} != set()
+    common = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [SamplingParams(temperature=0.8, seed=1, **common), SamplingParams(temperature=0, **common),
+             SamplingParams(temperature=1.3, seed=2, **common), SamplingParams(temperature=0.5, seed=3, **common)]
+    filtered = [SamplingParams(temperature=1.0, top_k=20, seed=4, **common),
+                SamplingParams(temperature=1.0, top_p=0.9, seed=5, **common),
+                SamplingParams(temperature=1.0, min_p=0.1, seed=6, **common),
+                SamplingParams(temperature=0.7, seed=7, logprobs=2, **common)]
+    replays, replay = [], torch.cuda.CUDAGraph.replay
+
+    def run(params) -> tuple[list[list[int]], int]:
+        """(each prompt's tokens, generated alone; replays of sampling graphs)"""
+        replays.clear()
+        tokens = [llm.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p, sp in zip(PROMPTS, params)]
+        return tokens, sum(any(g is graph for graph in runner.sample_graphs.values()) for g in replays)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(graph) or replay(graph))
+        (plain_tokens, plain_draws), (filtered_tokens, filtered_draws) = run(plain), run(filtered)
+        assert plain_draws >= len(PROMPTS) * (MAX_TOKENS - 1) and filtered_draws == 0
+        runner.sample_graphs.clear()
+        assert run(plain) == (plain_tokens, 0) and run(filtered) == (filtered_tokens, 0)
+
 
 def test_fp32_logprobs_match_transformers(checkpoint, hf_model):
     """Through CUDA graphs, the Triton sampler and the pinned copy: greedy, seeded and filtered

@@ -457,6 +457,7 @@ class ModelRunner:
             block_tables=torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=device),
         )
         self.graph_output = torch.zeros(max_tokens, self.config.hf_config.hidden_size, dtype=self.dtype, device=device)
+        sampling_graphs = kernels.graph_capturable(device, sampling=True)
         pool = None
         for shape in sorted(self.graph_shapes, reverse=True):  # largest first: the rest reuse its pool
             self._cu_seqlens_for(shape)
@@ -466,7 +467,7 @@ class ModelRunner:
                 self._graph_forward(shape)
             pool = graph.pool()
             self.graphs[shape] = graph
-            if shape in self.graph_logits and shape[1] <= SAMPLING_GRAPH_MAX_SEQS:
+            if sampling_graphs and shape in self.graph_logits and shape[1] <= SAMPLING_GRAPH_MAX_SEQS:
                 self._graph_sample(shape)
                 self.sample_graphs[shape] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.sample_graphs[shape], pool):

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels import dispatch
 from nanovllm.kernels.dispatch import KERNELS_AVAILABLE, backend_for, implementation
 from nanovllm.utils.timing import benchmark_kernel  # noqa: F401  (importable from here too; not a kernel)
 
@@ -69,9 +70,12 @@ def _require_gated(x: torch.Tensor) -> None:
              lambda: f"last dimension must be even, got shape {tuple(x.shape)}")
 
 
-def graph_capturable(device: torch.device | str) -> bool:
-    """Whether the kernels on `device` run without host synchronisation (CUDA-graph safe)."""
-    return torch.device(device).type == "cuda" and backend_for(device) == "triton"
+def graph_capturable(device: torch.device | str, sampling: bool = False) -> bool:
+    """Whether the kernels on `device` run without host synchronisation (CUDA-graph safe);
+    with `sampling`, `sample` too: the Triton sampler, the one tested under capture (the
+    reference's draws synchronise)."""
+    return (torch.device(device).type == "cuda" and backend_for(device) == "triton"
+            and (not sampling or dispatch.SAMPLER == "triton"))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nanovllm import kernels
+from nanovllm.kernels import dispatch
 
 # Reports, as JSON, what the dispatch decided and what calling ops did.
 PROBE = textwrap.dedent("""
@@ -92,6 +93,16 @@ def test_unknown_backend_is_refused():
 
 def test_cpu_is_never_graph_capturable():
     assert not kernels.graph_capturable("cpu")
+
+
+def test_sampling_is_graph_capturable_with_the_triton_sampler_only(monkeypatch):
+    """The model runner's sampling graphs: the reference's draws synchronise with the host, and
+    the CUDA C++ sampler is not tested under capture."""
+    monkeypatch.setattr(kernels, "backend_for", lambda device: "triton")
+    for sampler, capturable in (("triton", True), ("cuda", False), ("torch", False)):
+        monkeypatch.setattr(dispatch, "SAMPLER", sampler)
+        assert kernels.graph_capturable("cuda", sampling=True) == capturable
+        assert kernels.graph_capturable("cuda")
 
 
 @pytest.mark.gpu

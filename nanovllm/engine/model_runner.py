@@ -401,12 +401,12 @@ class ModelRunner:
         seeds = self._to_device([self._noise_seed(s) for s in seqs], torch.long)
         min_ps = self._to_device([s.params.min_p for s in seqs], torch.float32) if any(
             s.params.min_p > 0 for s in seqs) else None
-        if not any(s.params.top_k != -1 or s.params.top_p < 1 for s in seqs):
+        if not any(_ranks(s.params) for s in seqs):
             return temperatures, seeds, None, None, min_ps
         vocab = self.config.hf_config.vocab_size
         top_ks = [s.params.top_k if s.params.top_k != -1 else vocab for s in seqs]
         # how many tokens a row's top-k / top-p may keep: the sampler's sort-free bound
-        max_top_k = max(k for s, k in zip(seqs, top_ks) if s.params.top_k != -1 or s.params.top_p < 1)
+        max_top_k = max(k for s, k in zip(seqs, top_ks) if _ranks(s.params))
         return (temperatures, seeds, self._to_device(top_ks, torch.long),
                 self._to_device([s.params.top_p for s in seqs], torch.float32), min_ps, max_top_k)
 
@@ -560,11 +560,15 @@ def _temperatures(seqs) -> list[float]:
     return [s.params.temperature if s.params.temperature >= GREEDY_TEMPERATURE else 0.0 for s in seqs]
 
 
+def _ranks(params) -> bool:
+    """Whether the draw keeps only the top tokens (top-k or top-p), which the sampler ranks."""
+    return params.top_k != -1 or params.top_p < 1
+
+
 def _plain_draws(seqs, num_seqs: int) -> bool:
     """Every one of the step's sequences samples, without filters or log-probabilities."""
     return seqs is not None and len(seqs) == num_seqs and all(
-        s.params.logprobs is None and s.params.top_k == -1 and s.params.top_p >= 1 and s.params.min_p <= 0
-        for s in seqs)
+        s.params.logprobs is None and not _ranks(s.params) and s.params.min_p <= 0 for s in seqs)
 
 
 def _shutdown(workers: Workers, graphs: dict) -> None:

@@ -32,6 +32,12 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 # keys hold 4 MB of bf16 K and V, well inside an H100/H200's 50 MB L2. H200, prefill 8 x 2048:
 # 362 TFLOP/s in launch order, 384-391 in groups of 4, 379-388 in groups of 8 or 16.
 PAIRS_PER_GROUP = 4
+# Decode programs take every kv head of a sequence where their keys fit a row this wide, the
+# query heads one tile of this many rows, and a cache block holds whole key tiles of the packed
+# config (_kv_heads_packed).
+_PACKED_ROW = 128
+_PACKED_QUERY_HEADS = 16
+_PACKED_MIN_BLOCK = 64
 
 
 class TileConfig(NamedTuple):
@@ -173,7 +179,7 @@ def _paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, KV_PACK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, query tile, KV split). Its BLOCK_M rows are (query row,
     query head) pairs of the GQA group of one kv head, row-major, so each K/V tile loaded
@@ -181,7 +187,10 @@ def _paged_attention_kernel(
     partial output and its log2-sum-exp for _merge_splits_kernel. With WINDOW (causal only), a
     row sees only the `window` keys ending at its own position; the key loop starts at the
     tile holding the first row's first visible key, and splits share out only the keys from
-    there."""
+    there. With KV_PACK > 1 (decode only) the launcher passes KV_PACK adjacent kv heads as one
+    of KV_PACK times the head dim, and their query heads as one group: each q row is loaded
+    into its own head's columns and zeros elsewhere, so one product scores it against its own
+    head's keys, and its output is stored from those columns."""
     pair, tile = _pair_and_tile(PAIRS_PER_GROUP)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -249,8 +258,14 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    q = _load_rows(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                   row_mask, d_mask, True, PAD_D)
+    if KV_PACK > 1:
+        q_cols = offs_d % (HEAD_DIM // KV_PACK)
+        own_cols = (offs_d // (HEAD_DIM // KV_PACK))[None, :] == (head // (GROUP // KV_PACK))[:, None]
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + q_cols[None, :] * stride_qd,
+                    mask=row_mask[:, None] & own_cols, other=0.0)
+    else:
+        q = _load_rows(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                       row_mask, d_mask, True, PAD_D)
     q = q.to(k_cache_ptr.dtype.element_ty)
 
     # m starts finite so that a row whose first tiles are all masked gets exp2(-inf - m) = 0, not NaN.
@@ -288,6 +303,9 @@ def _paged_attention_kernel(
         split_row = _split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
         tl.store(out_ptr + split_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
         tl.store(lse_ptr + split_row, tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf")), mask=row_mask)
+    elif KV_PACK > 1:
+        out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + q_cols[None, :] * stride_od
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & own_cols)
     else:
         out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
@@ -436,12 +454,18 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, True, block_size)
         # partitions are multiples of the key tile the kernel runs
         splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
+    kv_pack = _kv_heads_packed(k_cache, v_cache, num_heads, max_seqlen_q, num_seqs, splits)
+    if kv_pack > 1:
+        k_cache, v_cache = (cache.view(*cache.shape[:2], 1, kv_pack * head_dim) for cache in (k_cache, v_cache))
+        num_kv_heads, group, head_dim = 1, num_heads, kv_pack * head_dim
+        config = forced_config or default_config(head_dim, group, 1, k_cache.dtype, q.device, block_size=block_size)
+        q_tiles = cdiv(group, config.block_m)
     block_d = _padded_head_dim(head_dim)
     launch = functools.partial(
         _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal,
-        sliding_window or 0, (num_seqs * num_kv_heads, q_tiles, splits), min_partition, block_d)
+        sliding_window or 0, (num_seqs * num_kv_heads, q_tiles, splits), min_partition, block_d, kv_pack)
     shape_class = (q.device, q.dtype, k_cache.dtype, head_dim, group, num_kv_heads, block_size, bool(causal),
-                   bool(sliding_window))
+                   bool(sliding_window), kv_pack)
     if splits == 1:
         _with_fallback(launch, config, out, out, False, shape_class)
         return out
@@ -450,6 +474,23 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     _with_fallback(launch, config, partial, lse, True, shape_class)
     _merge_splits(partial, lse, out, block_d)
     return out
+
+
+def _kv_heads_packed(k_cache, v_cache, num_heads: int, max_seqlen_q: int, num_seqs: int, splits: int) -> int:
+    """How many kv heads one decode program takes (1: its own only). All of them where their
+    keys fit one 128-wide row (2 heads of 64: Qwen2.5-0.5B) and every query head one tile, so
+    a program reads each key's heads as one contiguous row and the grid has a program a
+    sequence; only for grids that stay one program an SM or more unsplit, and for blocks that
+    hold whole 64-key tiles (H200, 256 x 512 keys, 14 / 2 heads of 64: blocks of 128 25.2 ->
+    22.4 us; blocks of 16, whose tiles gather rows of several blocks, 22.1 -> 25.0 us)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if not (max_seqlen_q == 1 and splits == 1 and 1 < num_kv_heads and num_kv_heads * head_dim <= _PACKED_ROW
+            and block_size >= _PACKED_MIN_BLOCK
+            and head_dim == _padded_head_dim(head_dim) and num_heads <= _PACKED_QUERY_HEADS
+            and num_seqs >= _multiprocessor_count(k_cache.device)):
+        return 1
+    dense = all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
+    return num_kv_heads if dense else 1
 
 
 def _merge_splits(partial, lse, out, block_d: int) -> None:
@@ -499,7 +540,7 @@ def _kv_descriptors(k_cache, v_cache, config: TileConfig, block_d: int):
 
 
 def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal, window: int, grid,
-                      min_partition, block_d, config: TileConfig, out, lse, split: bool) -> None:
+                      min_partition, block_d, kv_pack: int, config: TileConfig, out, lse, split: bool) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config, block_d)
     _paged_attention_kernel[grid](
@@ -507,7 +548,7 @@ def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         scale * _LOG2E, min_partition, grid[2], window,
         *q.stride(), *(out.stride() if not split else (0, 0, 0)),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_PACK=kv_pack,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=k_cache.shape[1],
         CAUSAL=bool(causal), SPLIT=split, USE_TMA=k_desc is not None, PAIRS_PER_GROUP=PAIRS_PER_GROUP,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", WINDOW=window > 0,

@@ -279,6 +279,27 @@ def test_non_contiguous_q_interpreted(interpreted, nan_empty):
     check(case)
 
 
+@interpret
+@pytest.mark.parametrize("heads,head_dim,block_size", [((14, 2), 64, 64), ((8, 4), 32, 128), ((14, 2), 64, 16)])
+@pytest.mark.parametrize("num_seqs", [5, 3])
+def test_decode_packs_small_kv_heads_interpreted(interpreted, nan_empty, monkeypatch, heads, head_dim, block_size,
+                                                 num_seqs):
+    """Kv heads whose keys fit one 128-wide row go to one program a sequence (each q row then
+    scores only its own head's columns) where that still leaves a program an SM (4 under the
+    interpreter) and blocks hold whole key tiles; otherwise a program a kv head. q is a strided
+    view."""
+    packed = []
+    decide = attention._kv_heads_packed
+    monkeypatch.setattr(attention, "_kv_heads_packed", lambda *args: packed.append(decide(*args)) or packed[-1])
+    shape = [(1, 300), (1, 0), (1, 17), (1, 129), (1, 64)][:num_seqs]
+    case = make_case(shape, heads, head_dim, block_size, spare_columns=3)
+    wide = torch.randn(case.q.shape[0], heads[0], 2 * head_dim)
+    wide[..., ::2] = case.q
+    case.q = wide[..., ::2]
+    check(case)
+    assert packed == [heads[1] if num_seqs >= 4 and block_size >= 64 else 1]
+
+
 # --- sliding window ---------------------------------------------------------------------------
 
 # Decode far past the window, prefill chunks whose query tiles span more or less than the
@@ -443,6 +464,17 @@ def test_decode_gpu(nan_empty, num_splits, block_size):
     out = check(make_case(shape, (16, 8), 128, block_size, torch.bfloat16, "cuda", spare_columns=40),
                 num_splits=num_splits)
     assert (out[[1, 4]] == 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("heads,head_dim,block_size", [((14, 2), 64, 128), ((8, 2), 64, 64), ((12, 4), 32, 256)])
+def test_decode_packed_kv_heads_gpu(nan_empty, heads, head_dim, block_size):
+    """A decode batch of more sequences than SMs with small kv heads: one program a sequence."""
+    shape = [(1, n) for n in ([1, 0, 4097, 33, 512, 1024, 250] * 24)]
+    case = make_case(shape, heads, head_dim, block_size, torch.bfloat16, "cuda", spare_columns=4)
+    assert attention._kv_heads_packed(case.k_cache, case.v_cache, heads[0], 1, len(shape), 1) == heads[1]
+    out = check(case)
+    assert (out[1::7] == 0).all()
 
 
 @gpu

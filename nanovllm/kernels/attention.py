@@ -38,6 +38,11 @@ PAIRS_PER_GROUP = 4
 _PACKED_ROW = 128
 _PACKED_QUERY_HEADS = 16
 _PACKED_MIN_BLOCK = 64
+# Unsplit decode programs load their first key tile before the PDL wait for head dims up to
+# this (H200, 256 x 512 keys, 14 / 2 heads of 64, blocks of 16: 22.1 -> 20.6 us). With heads of
+# 128 the tile held across the wait took the kernel from 127 to 155 registers a thread, a
+# program fewer an SM: 64 x 1,000 keys 65.6 -> 80.1 us, 256 x 1,024 246 -> 262 us.
+_PRELOAD_MAX_HEAD_DIM = 64
 
 
 class TileConfig(NamedTuple):
@@ -120,6 +125,13 @@ def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv
                                   stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
         k = _load_rows(k_head_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, in_range, d_mask, MASKED, PAD_D)
         v = _load_rows(v_head_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, in_range, d_mask, MASKED, PAD_D)
+    return _softmax_step(acc, m_i, l_i, q, k, v, pos, row_first, row_limit, qk_scale, MASKED, DOT_PRECISION, WINDOW)
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, q, k, v, pos, row_first, row_limit, qk_scale, MASKED: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr):
+    """The online-softmax update with the key tile k, v at key positions `pos`."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     # The scale goes into the exponent as one fused multiply-add per score (exp2 and that FMA
     # are the softmax's per-score work); m is kept in scaled units (qk_scale > 0).
@@ -179,7 +191,8 @@ def _paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, KV_PACK: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, KV_PACK: tl.constexpr, PRELOAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, query tile, KV split). Its BLOCK_M rows are (query row,
     query head) pairs of the GQA group of one kv head, row-major, so each K/V tile loaded
@@ -190,7 +203,9 @@ def _paged_attention_kernel(
     there. With KV_PACK > 1 (decode only) the launcher passes KV_PACK adjacent kv heads as one
     of KV_PACK times the head dim, and their query heads as one group: each q row is loaded
     into its own head's columns and zeros elsewhere, so one product scores it against its own
-    head's keys, and its output is stored from those columns."""
+    head's keys, and its output is stored from those columns. With PRELOAD (decode, unsplit,
+    no window, heads of 64 or less), the first key tile below the step's own keys is loaded
+    before the wait: earlier steps wrote it."""
     pair, tile = _pair_and_tile(PAIRS_PER_GROUP)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -201,6 +216,24 @@ def _paged_attention_kernel(
     q_end = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     q_len = q_end - q_start
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_btr
+    if PRELOAD:
+        # The step's own keys, the last q_len, are the kernel before's output; keys below them
+        # were written by earlier steps, so the first tile of those is read while it finishes.
+        written = seq_len - q_len
+        pre_in = offs_n < written
+        pre_k_rows, pre_v_rows = _kv_rows(block_table_row, 0, offs_n, pre_in, stride_btc, stride_kb, stride_kt,
+                                          stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
+        pre_k = _load_rows(k_head_ptr + pre_k_rows[:, None] + offs_d[None, :] * stride_kd, pre_in, d_mask, True,
+                           PAD_D)
+        pre_v = _load_rows(v_head_ptr + pre_v_rows[:, None] + offs_d[None, :] * stride_vd, pre_in, d_mask, True,
+                           PAD_D)
     # Before the exit: were every program to leave without waiting, the kernel could finish
     # ahead of its predecessor and release the next kernel too early.
     await_previous_kernel(PDL)
@@ -221,6 +254,11 @@ def _paged_attention_kernel(
     if WINDOW:
         first_key = tl.maximum(first_visible_end + first_row - window, 0)
     lo = first_key // BLOCK_N * BLOCK_N
+    if PRELOAD:
+        # The preloaded tile stands for the first BLOCK_N keys where all were written before
+        # this step; otherwise it counts for nothing and the loops start at key 0.
+        pre_keys = tl.where(written >= BLOCK_N, BLOCK_N, 0)
+        lo = pre_keys
     hi = seq_len
     if SPLIT:
         # Keys per split from this sequence's own length: the host knows only the block table's
@@ -255,9 +293,6 @@ def _paged_attention_kernel(
             tl.store(lse_ptr + split_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
             return
 
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     if KV_PACK > 1:
         q_cols = offs_d % (HEAD_DIM // KV_PACK)
         own_cols = (offs_d // (HEAD_DIM // KV_PACK))[None, :] == (head // (GROUP // KV_PACK))[:, None]
@@ -272,10 +307,9 @@ def _paged_attention_kernel(
     m_i = tl.zeros([BLOCK_M], tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_head_ptr = k_cache_ptr + kv_head * stride_kh
-    v_head_ptr = v_cache_ptr + kv_head * stride_vh
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_btr
-    offs_n = tl.arange(0, BLOCK_N)
+    if PRELOAD:
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, pre_k, pre_v, offs_n, row_first,
+                                      tl.zeros([BLOCK_M], tl.int32) + pre_keys, qk_scale, True, DOT_PRECISION, False)
     kv_col = kv_head * HEAD_DIM
     for start in tl.range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_col,
@@ -463,7 +497,8 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     block_d = _padded_head_dim(head_dim)
     launch = functools.partial(
         _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal,
-        sliding_window or 0, (num_seqs * num_kv_heads, q_tiles, splits), min_partition, block_d, kv_pack)
+        sliding_window or 0, (num_seqs * num_kv_heads, q_tiles, splits), min_partition, block_d, kv_pack,
+        max_seqlen_q == 1 and splits == 1 and not sliding_window and block_d <= _PRELOAD_MAX_HEAD_DIM)
     shape_class = (q.device, q.dtype, k_cache.dtype, head_dim, group, num_kv_heads, block_size, bool(causal),
                    bool(sliding_window), kv_pack)
     if splits == 1:
@@ -540,7 +575,8 @@ def _kv_descriptors(k_cache, v_cache, config: TileConfig, block_d: int):
 
 
 def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal, window: int, grid,
-                      min_partition, block_d, kv_pack: int, config: TileConfig, out, lse, split: bool) -> None:
+                      min_partition, block_d, kv_pack: int, preload: bool, config: TileConfig, out, lse,
+                      split: bool) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config, block_d)
     _paged_attention_kernel[grid](
@@ -549,6 +585,7 @@ def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         *q.stride(), *(out.stride() if not split else (0, 0, 0)),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_PACK=kv_pack,
+        PRELOAD=preload,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=k_cache.shape[1],
         CAUSAL=bool(causal), SPLIT=split, USE_TMA=k_desc is not None, PAIRS_PER_GROUP=PAIRS_PER_GROUP,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", WINDOW=window > 0,

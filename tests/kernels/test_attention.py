@@ -270,6 +270,30 @@ def test_merge_splits_interpreted(interpreted, monkeypatch, splits, merge_per_th
 
 
 @interpret
+@pytest.mark.parametrize("head_dim,max_seqlen_q,num_splits,preloads", [(64, 1, 1, True), (128, 1, 1, False),
+                                                                        (64, 1, 3, False), (64, 2, 1, False)])
+def test_decode_preloads_its_first_key_tile_interpreted(interpreted, nan_empty, monkeypatch, head_dim, max_seqlen_q,
+                                                        num_splits, preloads):
+    """Unsplit decode with heads of 64 or less loads its first key tile before the PDL wait: a
+    sequence whose keys before this step fill it (300) takes it, one whose step key lies in
+    that tile (17, 64: 128-key tiles) reads the tile in the loops. Heads of 128, split grids
+    and steps with more than one query row never preload."""
+    launched, kernel = [], attention._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["PRELOAD"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(attention, "_paged_attention_kernel", Spy())
+    shape = [(1, 300), (1, 0), (1, 17), (max_seqlen_q, 64), (1, 129)]
+    check(make_case(shape, (8, 2), head_dim, block_size=16, spare_columns=3), num_splits=num_splits)
+    assert launched == [preloads]
+
+
+@interpret
 def test_non_contiguous_q_interpreted(interpreted, nan_empty):
     """q as a view into a fused qkv projection output."""
     case = make_case(MIXED[1:], (4, 2), 32)

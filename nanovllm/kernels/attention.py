@@ -39,7 +39,7 @@ _PACKED_ROW = 128
 _PACKED_QUERY_HEADS = 16
 _PACKED_MIN_BLOCK = 64
 # Unsplit decode programs load their first key tile before the PDL wait for head dims up to
-# this (H200, 256 x 512 keys, 14 / 2 heads of 64, blocks of 16: 22.1 -> 20.6 us). With heads of
+# this (H200, 256 x 512 keys, 14 / 2 heads of 64, blocks of 16: 21.8 -> 20.3 us). With heads of
 # 128 the tile held across the wait took the kernel from 127 to 155 registers a thread, a
 # program fewer an SM: 64 x 1,000 keys 65.6 -> 80.1 us, 256 x 1,024 246 -> 262 us.
 _PRELOAD_MAX_HEAD_DIM = 64

@@ -226,8 +226,9 @@ def _paged_attention_kernel(
     if PRELOAD:
         # The step's own keys, the last q_len, are the kernel before's output; keys below them
         # were written by earlier steps, so the first tile of those is read while it finishes.
-        written = seq_len - q_len
-        pre_in = offs_n < written
+        # Only a whole tile is: a shorter run of written keys is read by the loops, once.
+        pre_keys = tl.where(seq_len - q_len >= BLOCK_N, BLOCK_N, 0)
+        pre_in = offs_n < pre_keys
         pre_k_rows, pre_v_rows = _kv_rows(block_table_row, 0, offs_n, pre_in, stride_btc, stride_kb, stride_kt,
                                           stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
         pre_k = _load_rows(k_head_ptr + pre_k_rows[:, None] + offs_d[None, :] * stride_kd, pre_in, d_mask, True,
@@ -254,10 +255,7 @@ def _paged_attention_kernel(
     if WINDOW:
         first_key = tl.maximum(first_visible_end + first_row - window, 0)
     lo = first_key // BLOCK_N * BLOCK_N
-    if PRELOAD:
-        # The preloaded tile stands for the first BLOCK_N keys where all were written before
-        # this step; otherwise it counts for nothing and the loops start at key 0.
-        pre_keys = tl.where(written >= BLOCK_N, BLOCK_N, 0)
+    if PRELOAD:  # the loops start after the preloaded tile, or at key 0 where there is none
         lo = pre_keys
     hi = seq_len
     if SPLIT:

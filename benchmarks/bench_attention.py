@@ -1,5 +1,6 @@
 """Benchmarks nanovllm's Triton paged attention on one GPU in bf16: prefill against PyTorch
-SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path, small decode
+SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path (the small-head
+row also against the read floor of its grid, benchmarks/gather_read.py), small decode
 batches through qk_norm_rope_attention's fused kernel against the two kernels it replaces,
 split, block-size and tile sweeps, compile time. Every configuration is checked against the PyTorch
 reference before it is timed. Writes bench_attention.json and bench_attention.md into --out.
@@ -19,9 +20,10 @@ HEADS, HEAD_DIM = (16, 8), 128
 PREFILL = dict(name="prefill 8 x 2048", query_lens=[2048] * 8, seq_lens=[2048] * 8)
 DECODES = [dict(name="decode 256 x 1024", query_lens=[1] * 256, seq_lens=[1024] * 256),
            dict(name="decode 1 x 32768", query_lens=[1], seq_lens=[32768]),
-           # small heads in small blocks (Qwen2.5-0.5B's 14 / 2 heads of 64): short programs
+           # small heads in small blocks (Qwen2.5-0.5B's 14 / 2 heads of 64): short programs, also
+           # timed against the read floor of their grid (benchmarks/gather_read.py, its fastest tiles)
            dict(name="decode 256 x 512, 14/2 heads, d64, blocks of 16", query_lens=[1] * 256, seq_lens=[512] * 256,
-                heads=(14, 2), head_dim=64, block_size=16)]
+                heads=(14, 2), head_dim=64, block_size=16, read_floor=dict(block_n=64, early_tiles=2))]
 # Same shape classes as above with other token counts: must reuse the compiled kernels.
 SECOND_CALLS = [dict(name="prefill 7 x 1500", query_lens=[1500] * 7, seq_lens=[1500] * 7),
                 dict(name="decode 255 x 1000", query_lens=[1] * 255, seq_lens=[1000] * 255),
@@ -250,6 +252,13 @@ class Bench:
         if baseline:
             torch_ms = self.time_ms(lambda: gather_sdpa_decode(w, spec["seq_lens"][0]))
             row |= {"torch_gather_sdpa_ms": torch_ms, "speed_vs_torch": torch_ms / ms}
+        if baseline and "read_floor" in spec:
+            from benchmarks.gather_read import gather_read
+            keys = spec["seq_lens"][0]
+            assert all(n == keys for n in spec["seq_lens"]), "the read floor takes sequences of one length"
+            read_ms = self.time_ms(lambda: gather_read(w["k_cache"], w["v_cache"], w["block_tables"], keys,
+                                                       **spec["read_floor"]))
+            row |= {"gather_read_ms": read_ms, "gather_read_fraction": kv_bytes / read_ms / 1e6 / self.copy_gbps}
         return row
 
     def fused_decode(self, spec: dict) -> dict:
@@ -386,6 +395,9 @@ def to_markdown(results: dict) -> str:
     lines += [f"| {d['workload']} | {d['splits']} | {d['ms']:.4f} | {d['floor_ms']:.4f} | {d['GBps']:.0f} | "
               f"{d['bandwidth_fraction']:.0%} | {d['torch_gather_sdpa_ms']:.4f} | {d['speed_vs_torch']:.2f}x |"
               for d in results["decode"]]
+    lines += [f"\nRead floor of {d['workload']} at the kernel's grid (benchmarks/gather_read.py): "
+              f"{d['gather_read_ms']:.4f} ms, {d['gather_read_fraction']:.0%} of copy bw; the kernel takes "
+              f"{d['ms'] / d['gather_read_ms']:.2f}x that." for d in results["decode"] if "gather_read_ms" in d]
     lines += ["", "## Fused decode (q/k norm, rotary, KV write and attention), against the two kernels", "",
               "| workload | fused ms | two kernels ms | speed-up |", "|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['fused_ms']:.4f} | {r['two_kernels_ms']:.4f} | "

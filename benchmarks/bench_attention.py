@@ -256,8 +256,13 @@ class Bench:
             from benchmarks.gather_read import gather_read
             keys = spec["seq_lens"][0]
             assert all(n == keys for n in spec["seq_lens"]), "the read floor takes sequences of one length"
-            read_ms = self.time_ms(lambda: gather_read(w["k_cache"], w["v_cache"], w["block_tables"], keys,
-                                                       **spec["read_floor"]))
+            read = lambda: gather_read(w["k_cache"], w["v_cache"], w["block_tables"], keys, **spec["read_floor"])  # noqa: E731
+            gathered = (w["k_cache"].float() + w["v_cache"].float())[w["block_tables"].long()].flatten(1, 2)
+            expected = gathered[:, :keys].sum(1).flatten(0, 1)
+            err = ((read() - expected).norm() / expected.norm()).item()
+            if not err < 1e-4:
+                raise SystemExit(f"gather_read: relative error {err:.3e} against the summed keys -- not timing it")
+            read_ms = self.time_ms(read)
             row |= {"gather_read_ms": read_ms, "gather_read_fraction": kv_bytes / read_ms / 1e6 / self.copy_gbps}
         return row
 

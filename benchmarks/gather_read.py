@@ -13,33 +13,35 @@ from nanovllm.kernels.launch import await_previous_kernel, dependent_launch
 
 
 @triton.jit
-def _tile_sum(k_ptr, v_ptr, block_table_row, start, offs_n, offs_d, stride_kb, stride_kt,
+def _tile_sum(k_ptr, v_ptr, block_table_row, start, kv_head, offs_n, offs_d, stride_kb, stride_kt, stride_kh,
               BLOCK_SIZE: tl.constexpr):
     pos = start + offs_n
     block = tl.load(block_table_row + pos // BLOCK_SIZE).to(tl.int64)
-    rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt
-    ptrs = rows[:, None] + offs_d[None, :]
-    return tl.load(k_ptr + ptrs).to(tl.float32) + tl.load(v_ptr + ptrs).to(tl.float32)
+    rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+    return (tl.load(k_ptr + rows[:, None] + offs_d[None, :]).to(tl.float32)
+            + tl.load(v_ptr + rows[:, None] + offs_d[None, :]).to(tl.float32))
 
 
 @triton.jit
 def _gather_read_kernel(k_ptr, v_ptr, block_tables_ptr, out_ptr, stride_btr, stride_kb, stride_kt, stride_kh,
                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, TILES: tl.constexpr, EARLY_TILES: tl.constexpr, PDL: tl.constexpr):
+    """K's and V's addresses are formed apart (_tile_sum): with one sum of offsets shared by
+    both, the kernel took 97 registers a thread instead of 118 and 18.6 us instead of 17.3 at
+    256 x 512 keys (H200)."""
     pair = tl.program_id(0)
     seq, kv_head = pair // NUM_KV_HEADS, pair % NUM_KV_HEADS
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_btr
-    k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh
     total = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for tile in tl.static_range(EARLY_TILES):
-        total += _tile_sum(k_head, v_head, block_table_row, tile * BLOCK_N, offs_n, offs_d, stride_kb, stride_kt,
-                           BLOCK_SIZE)
+        total += _tile_sum(k_ptr, v_ptr, block_table_row, tile * BLOCK_N, kv_head, offs_n, offs_d, stride_kb,
+                           stride_kt, stride_kh, BLOCK_SIZE)
     await_previous_kernel(PDL)
     for tile in tl.static_range(EARLY_TILES, TILES):
-        total += _tile_sum(k_head, v_head, block_table_row, tile * BLOCK_N, offs_n, offs_d, stride_kb, stride_kt,
-                           BLOCK_SIZE)
+        total += _tile_sum(k_ptr, v_ptr, block_table_row, tile * BLOCK_N, kv_head, offs_n, offs_d, stride_kb,
+                           stride_kt, stride_kh, BLOCK_SIZE)
     tl.store(out_ptr + pair * HEAD_DIM + offs_d, tl.sum(total, 0))
 
 

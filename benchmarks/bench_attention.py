@@ -256,7 +256,8 @@ class Bench:
             from benchmarks.gather_read import gather_read
             keys = spec["seq_lens"][0]
             assert all(n == keys for n in spec["seq_lens"]), "the read floor takes sequences of one length"
-            read = lambda: gather_read(w["k_cache"], w["v_cache"], w["block_tables"], keys, **spec["read_floor"])  # noqa: E731
+            def read():
+                return gather_read(w["k_cache"], w["v_cache"], w["block_tables"], keys, **spec["read_floor"])
             gathered = (w["k_cache"].float() + w["v_cache"].float())[w["block_tables"].long()].flatten(1, 2)
             expected = gathered[:, :keys].sum(1).flatten(0, 1)
             err = ((read() - expected).norm() / expected.norm()).item()

@@ -35,7 +35,8 @@ def _link_kernel(src_ptr, dst_ptr, WIDTH: tl.constexpr, SHARE: tl.constexpr, PDL
 
 
 def link(src: torch.Tensor, dst: torch.Tensor, programs: int, pdl: bool) -> None:
-    """dst[i] = (sum(src) mod 7) + i over programs that share dst; src and dst WIDTH long."""
+    """dst[i] = (sum(src) mod 7) + i, src and dst WIDTH long, by about `programs` programs (each
+    a power-of-two share of dst)."""
     share = triton.next_power_of_2(triton.cdiv(WIDTH, programs))
     options = dependent_launch(src.get_device()) if pdl else {"PDL": False, "launch_pdl": False}
     _link_kernel[(triton.cdiv(WIDTH, share),)](src, dst, WIDTH=WIDTH, SHARE=share, num_warps=4, **options)

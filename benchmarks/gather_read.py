@@ -48,12 +48,13 @@ def _gather_read_kernel(k_ptr, v_ptr, block_tables_ptr, out_ptr, stride_btr, str
 def gather_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, keys: int,
                 block_n: int = 64, early_tiles: int = 2, num_warps: int = 4) -> torch.Tensor:
     """[sequences x kv heads, head dim] fp32: each sequence's first `keys` keys and values of
-    each kv head, summed over keys. Caches [blocks, block size, kv heads, head dim] with the
-    last two dense and K and V strided alike; `keys` a multiple of block_n, every sequence
+    each kv head, summed over keys. Caches [blocks, block size, kv heads, head dim], the head
+    dim contiguous and K and V strided alike; `keys` a multiple of block_n, every sequence
     holding at least that many."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if keys % block_n or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("gather_read: keys must be a multiple of block_n, and K and V dense and strided alike")
+        raise ValueError("gather_read: keys must be a multiple of block_n, the head dim contiguous, "
+                         "K and V strided alike")
     pairs = block_tables.shape[0] * num_kv_heads
     out = torch.empty(pairs, head_dim, dtype=torch.float32, device=k_cache.device)
     _gather_read_kernel[(pairs,)](

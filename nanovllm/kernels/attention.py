@@ -44,8 +44,8 @@ _PACKED_MIN_BLOCK = 64
 # program fewer an SM: 64 x 1,000 keys 65.6 -> 80.1 us, 256 x 1,024 246 -> 262 us.
 _PRELOAD_MAX_HEAD_DIM = 64
 # With the first tile loaded early the loops have one tile fewer, and two stages keep pace
-# (H200, 14 / 2 heads of 64, blocks of 16, 256 x 512 keys: 20.24 -> 19.71 us; 256 x 1,024:
-# 35.81 -> 35.16; 256 x 200: 9.95 -> 9.73).
+# (H200, 14 / 2 heads of 64, blocks of 16, 256 x 512 keys: 20.56 -> 20.02 us; 256 x 1,024:
+# 36.88 -> 36.02; 256 x 200: 9.88 -> 9.78).
 _PRELOAD_STAGES = 2
 
 

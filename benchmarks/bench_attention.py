@@ -101,9 +101,11 @@ class Bench:
         import torch
         import triton
         import triton.testing
+        from benchmarks.kernel_cases import relative_error
         from nanovllm.kernels import attention, reference
         from nanovllm.utils import timing
         self.torch, self.triton, self.attention, self.reference, self.timing = torch, triton, attention, reference, timing
+        self.relative_error = relative_error
         self.block_size = block_size
         self.device = torch.device("cuda")
         self.gen = torch.Generator(device=self.device).manual_seed(0)
@@ -158,7 +160,7 @@ class Bench:
         """The kernel's output, after failing loudly if it differs from the reference."""
         out = self.run(w, config, num_splits)
         ref = self.reference.paged_attention(**w).float()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
+        err = self.relative_error(out, ref)
         if not (err < TOLERANCE and self.torch.isfinite(out).all()):
             raise SystemExit(f"{name} config={config}: relative error {err:.3e} against the reference "
                              f"(tolerance {TOLERANCE}) -- not timing a wrong kernel")
@@ -227,7 +229,7 @@ class Bench:
                     out = call()
                 except RuntimeError:
                     continue
-                err = ((out.float() - expected).norm() / expected.norm()).item()
+                err = self.relative_error(out, expected)
                 if err > TOLERANCE:
                     raise SystemExit(f"SDPA {backend.name} disagrees with the paged kernel: {err:.3e}")
                 ms = self.time_ms(call)
@@ -260,7 +262,7 @@ class Bench:
                 return gather_read(w["k_cache"], w["v_cache"], w["block_tables"], keys, **spec["read_floor"])
             gathered = (w["k_cache"].float() + w["v_cache"].float())[w["block_tables"].long()].flatten(1, 2)
             expected = gathered[:, :keys].sum(1).flatten(0, 1)
-            err = ((read() - expected).norm() / expected.norm()).item()
+            err = self.relative_error(read(), expected)
             if not err < 1e-4:
                 raise SystemExit(f"gather_read: relative error {err:.3e} against the summed keys -- not timing it")
             read_ms = self.time_ms(read)
@@ -309,8 +311,7 @@ class Bench:
         if not fused_calls:
             raise SystemExit(f"{spec['name']}: qk_norm_rope_attention took the two kernels on this GPU")
         for name, out in (("fused", checked_fused), ("two kernels", two_kernels())):
-            out = out.double()
-            err = ((out - expected).norm() / expected.norm()).item()
+            err = self.relative_error(out, expected)
             if not err < TOLERANCE:
                 raise SystemExit(f"{spec['name']}, {name}: relative error {err:.3e} -- not timing a wrong kernel")
         fused_ms, two_ms = self.time_ms(fused), self.time_ms(two_kernels)

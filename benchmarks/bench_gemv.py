@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from benchmarks.bench_latency import CONFIGS, copy_rate_gbs, write_json
+from benchmarks.kernel_cases import relative_error
 from nanovllm import kernels
 from nanovllm.config import ModelConfig
 
@@ -39,10 +40,6 @@ def projections(name: str) -> dict[str, tuple[int, int]]:
 
 def moved_bytes(rows: int, n: int, k: int, element_size: int) -> int:
     return (n * k + rows * k + rows * n) * element_size
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def operands(rows: int, n: int, k: int):

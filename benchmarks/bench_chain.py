@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch
+from nanovllm.utils import timing
 
 WIDTH = 1024  # Qwen3-0.6B's hidden size: the vector each link reads
 
@@ -49,19 +50,8 @@ def chain(buffers: list[torch.Tensor], links: int, programs: int, pdl: bool) -> 
 
 def time_link_us(links: int, programs: int, pdl: bool, replays: int) -> float:
     buffers = [torch.zeros(WIDTH, device="cuda") for _ in range(2)]
-    chain(buffers, links, programs, pdl)  # compiles
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(buffers, links, programs, pdl)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / links)
-    return statistics.median(times)
+    graph, _ = timing.capture(lambda: chain(buffers, links, programs, pdl))
+    return statistics.median(timing.time_events(graph.replay) for _ in range(replays)) * 1e3 / links
 
 
 def main():

@@ -57,7 +57,7 @@ def device_copy_gbs(device="cuda", nbytes: int = 1 << 30) -> float:
     times = []
     for i in range(25):
         if on_cuda:
-            ms = _time_events(lambda: dst.copy_(src))
+            ms = time_events(lambda: dst.copy_(src))
         else:
             start = time.perf_counter()
             dst.copy_(src)
@@ -115,7 +115,7 @@ def benchmark_kernel(fn, *args, warmup: int = 20, iters: int = 100, **kwargs) ->
     def call():
         next(rotation)()
     warm_up(call, max(warmup, len(variants)))
-    eager_ms = statistics.median(_time_events(call) for _ in range(5))
+    eager_ms = statistics.median(time_events(call) for _ in range(5))
     # enough calls to fill _GRAPH_MS (the eager estimate over-states small kernels) and at
     # least one pass over the copies
     count = max(len(variants), min(256, math.ceil(_GRAPH_MS / max(eager_ms, 1e-3))))
@@ -124,13 +124,14 @@ def benchmark_kernel(fn, *args, warmup: int = 20, iters: int = 100, **kwargs) ->
     except RuntimeError as exc:  # a host synchronisation inside fn: no graph possible
         warnings.warn(f"benchmark_kernel: not capturable, timing eager calls ({exc})", stacklevel=2)
         torch.cuda.synchronize()
-        return statistics.median(_time_events(call) for _ in range(iters))
+        return statistics.median(time_events(call) for _ in range(iters))
     graph.replay()
     torch.cuda.synchronize()
-    return statistics.median(_time_events(graph.replay) for _ in range(iters)) / count
+    return statistics.median(time_events(graph.replay) for _ in range(iters)) / count
 
 
-def _time_events(call) -> float:
+def time_events(call) -> float:
+    """Milliseconds of call() on the current stream, between two CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     call()

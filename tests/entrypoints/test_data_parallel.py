@@ -11,7 +11,6 @@ import signal
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 import torch
@@ -61,11 +60,15 @@ def streaming(http: httpx.Client, **more):
 PROMPTS = ["The quick brown fox", "A river runs", "Once upon a time", "Seven", "hello hello", "x y z"]
 
 
+def async_client(server: RunningServer):
+    import openai  # as in conftest's client: only the tests that talk to a server need it
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
 def greedy_outputs(server: RunningServer, prompts: list[str]) -> list:
     """The prompts' temperature-0 completions of 20 tokens, sent at once."""
     async def main():
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                                      timeout=TIMEOUT) as client:
+        async with async_client(server) as client:
             return await asyncio.gather(*(client.completions.create(
                 model=MODEL_NAME, prompt=p, max_tokens=20, temperature=0,
                 extra_body={"ignore_eos": True, "return_token_ids": True}) for p in prompts))
@@ -103,8 +106,7 @@ def test_concurrent_streams_spread_over_both_replicas(server, monkeypatch):
         return prompt, tokens, usage
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                                      timeout=TIMEOUT) as client:
+        async with async_client(server) as client:
             return await asyncio.gather(*(one(client, i) for i in range(16)))
 
     for prompt, tokens, usage in asyncio.run(main()):

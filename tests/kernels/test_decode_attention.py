@@ -4,6 +4,13 @@ qk_norm_rope_store then paged_attention (tolerances per dtype in test_attention.
 fp32 through Triton's interpreter (whose bf16 dots are not the GPU's), every dtype on a GPU.
 The cache slot of each step's key starts as NaN, as does every slot no sequence owns: a read
 of the step's key from the cache, or of any key outside a sequence, shows up."""
+import ctypes
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from kernel_testing import FP32_INTERPRETER_AND_GPU, capture_and_replay, require_triton
@@ -117,6 +124,42 @@ def test_one_sequence_splits_itself(fused_only, device, dtype):
     # the interpreter's grid counts 4 SMs (attention._multiprocessor_count): one kv head to split
     heads, block_size = ((16, 8), 128) if device == "cuda" else ((4, 1), 16)
     _check(*_decode_step([1000], heads, 128, block_size, dtype, device))
+
+
+def _table_before_a_guard_page(table: torch.Tensor):
+    """A copy of the int32 table whose last entry ends a page, the next page unreadable: a
+    read past the table ends the process (SIGSEGV). -> (copy, the mapping that keeps it)."""
+    page = mmap.PAGESIZE
+    mapping = mmap.mmap(-1, 2 * page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    guard = ctypes.addressof(ctypes.c_char.from_buffer(mapping)) + page
+    if libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(page), 0) != 0:  # 0: PROT_NONE
+        raise OSError(ctypes.get_errno(), "mprotect")
+    first_page = torch.frombuffer(mapping, dtype=torch.int32, count=page // 4)
+    copy = first_page[page // 4 - table.numel():].view(table.shape)
+    copy.copy_(table)
+    return copy, mapping
+
+
+def run_against_a_guard_page() -> None:
+    """One sequence of 300 keys in blocks of 64, four splits of two 64-key tiles: the fourth
+    starts at key 384, block-table column 6 of a table of 5 columns (no spare ones). Its first
+    tile is loaded before the split sees it has no keys, so it must take its addresses from
+    key 0."""
+    decode_attention.qk_norm_rope_store = _fails("the two kernels")
+    case, *rest = _decode_step([300], (4, 2), 64, 64, torch.float32, "cpu")
+    case.block_tables, mapping = _table_before_a_guard_page(case.block_tables[:, :5].contiguous())
+    _check(case, *rest, num_splits=4)
+
+
+@pytest.mark.triton_interpret
+def test_a_split_past_the_table_reads_no_column_past_it():
+    """run_against_a_guard_page in a child process under the interpreter, so that a read past
+    the table fails this test instead of ending the test run."""
+    child = subprocess.run([sys.executable, "-c", "import test_decode_attention as t; t.run_against_a_guard_page()"],
+                           cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600,
+                           env=os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU[:2])

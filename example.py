@@ -1,4 +1,4 @@
-"""Generate from a Hugging Face Qwen3/Qwen2 checkpoint folder:
+"""Generate from a Hugging Face checkpoint folder of a supported family (docs/usage.md):
     python example.py /path/to/Qwen3-0.6B
 Without a folder it runs the packaged Qwen3-0.6B architecture with random weights on token ids,
 which shows the engine working but produces meaningless tokens."""

@@ -25,8 +25,9 @@ The floor. Bytes a step must read: every parameter once (the LM head included; a
 embedding table is not counted, a step reads one row of it per sequence) plus each
 sequence's keys and values (2 x layers x kv heads x head_dim x element size per key, at the
 measured steps' mean length). Divided by the copy rate of a 1 GiB device-to-device copy
-measured in the same run (bytes read + written per second, as docs/kernels.md's "% of
-copy"; nanovllm.utils.timing.device_copy_gbs), before the engine takes the memory.
+measured in the same run (bytes read + written per second, the "% of copy" of
+docs/performance.md#methodology; nanovllm.utils.timing.device_copy_gbs), before the engine
+takes the memory.
 
 Time to first token: LLM.generate of one prompt of fresh random tokens to one output token,
 median of --ttft-repeats after one warm-up (prefix caching is off).

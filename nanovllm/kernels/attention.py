@@ -17,7 +17,7 @@ from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fas
 _LOG2E = 1.4426950408889634
 # Splitting aims at this many working programs per SM: one program's loads in flight while
 # another computes, and long splits, few partials (H200 split sweep, docs/attention.md: 32
-# splits of 1 x 32768 beat 64 and 128).
+# splits of 1 x 32768 beat 24 to 64).
 _PROGRAMS_PER_SM = 2
 # Fewest keys per split (two decode key tiles), so that a short sequence does not spread over
 # programs that each load a tile or two.
@@ -417,7 +417,7 @@ def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dt
     if block_d <= 64:
         return TileConfig(128, 64, 4, 3, tma=True)
     if block_d <= 128:
-        # 5 stages: 336 against 276 TFLOP/s with 3; TMA: 370 against 336 (H200, docs/attention.md)
+        # 5 stages: 336 against 276 TFLOP/s with 3; TMA: 370 against 336 (H200 prefill)
         return TileConfig(128, 64, 8, 5, tma=True)
     return TileConfig(128, 32, 8, 2)
 

@@ -1,6 +1,7 @@
 """Triton kernel for linear layers of a few rows: y = x W^T (+ b), x [M <= 16, K], W [N, K],
 the projections and LM head of decode batches. At such sizes a matmul is a read of W: a few
-MB a projection, 1-3 us at HBM bandwidth, which cuBLAS's small-M kernels take ~6-7 us for.
+MB a projection, 1-3 us at HBM bandwidth, which cuBLAS's small-M kernels take 5-13 us for
+(docs/performance.md#small-batch-gemv).
 
 Programs own BLOCK_N output features and a run of K ("split-K", as many runs as _splits
 finds best), so that even one row keeps every SM busy; each multiplies its weight tiles

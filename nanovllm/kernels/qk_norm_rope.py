@@ -149,8 +149,8 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
         n_tokens, q_heads, kv_heads, half, k_cache.shape[1], q_part_heads,
         HAS_NORM=has_norm, Q_PARTS=q_parts, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
-        # at most 8 warps: on tiles of 4 tokens of Qwen3-0.6B's 16 q heads, 16 were 15% slower
-        # at 4096 and 32768 tokens (H200, docs/kernels.md)
+        # at most 8 warps: on tiles of 4 tokens of Qwen3-0.6B's 16 q heads, 16 were 18% slower
+        # at 32768 tokens (H200, docs/kernels.md)
         num_warps=num_warps(block_t * token_k_elements, programs, 16, 8),
         **dependent_launch(q.get_device()))
     if q_rows is not q:

@@ -8,7 +8,7 @@
 #
 #   bash scripts/gpu_check.sh                                # every default stage
 #   STAGES="tests kernels" bash scripts/gpu_check.sh         # chosen stages (also: mlp, sweep, bench_eager, gemv,
-#                                                            # sliding_window)
+#                                                            # sliding_window, chain)
 #
 # STAGE_TIMEOUT (seconds, default 300) bounds each stage; TAIL (default 25) is the lines shown.
 set -uo pipefail
@@ -29,6 +29,7 @@ for stage in $STAGES; do case $stage in
   mlp) run mlp python3 -m nanovllm.layers.custom_mlp ;;
   latency) run latency python3 -m benchmarks.bench_latency --profile --out "$OUT/latency" ;;
   gemv) run gemv python3 -m benchmarks.bench_gemv --out "$OUT/gemv" ;;
+  chain) run chain python3 -m benchmarks.bench_chain --out "$OUT/chain" ;;
   sampling) run sampling python3 -m benchmarks.bench_sampling --out "$OUT/sampling" ;;
   sliding_window) run sliding_window python3 -m benchmarks.bench_sliding_window --out "$OUT/sliding_window" ;;
   attention) run attention python3 -m benchmarks.bench_attention --out "$OUT/attention" ;;

@@ -66,7 +66,8 @@ def time_link_us(links: int, programs: int, pdl: bool, replays: int) -> float:
 
 
 def layer_weights(shape: dict, shared: bool, device, dtype=torch.bfloat16) -> list[dict]:
-    """Random weights of each decoder layer (unit norms); with `shared`, every layer's are layer 0's."""
+    """Random projections and norm weights of ones for each decoder layer; with `shared`, every
+    layer's are layer 0's."""
     hidden, head_dim = shape["hidden"], shape["head_dim"]
 
     def layer():

@@ -84,7 +84,7 @@ def layer_weights(shape: dict, shared: bool, device, dtype=torch.bfloat16) -> li
 
 def decode_inputs(shape: dict, context: int, block_size: int, device, dtype=torch.bfloat16) -> dict:
     """One sequence of `context` keys (the last one this step's) and each layer's KV cache."""
-    blocks = -(-context // block_size)
+    blocks = triton.cdiv(context, block_size)
     cache_shape = (blocks, block_size, shape["kv_heads"], shape["head_dim"])
     as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
     return {"hidden": torch.randn(1, shape["hidden"], device=device, dtype=dtype),
@@ -115,11 +115,16 @@ def decoder_layers(shape: dict, weights: list[dict], inputs: dict) -> torch.Tens
     return x
 
 
-def time_layer_us(shared: bool, context: int, block_size: int, replays: int) -> float:
+def layer_graph(shared: bool, context: int, block_size: int):
+    """-> (the decoder layers' CUDA graph, the tensors it reads, kept alive with it)."""
     torch.manual_seed(0)
     weights = layer_weights(QWEN3_0_6B, shared, "cuda")
     inputs = decode_inputs(QWEN3_0_6B, context, block_size, "cuda")
     graph, _ = timing.capture(lambda: decoder_layers(QWEN3_0_6B, weights, inputs))
+    return graph, (weights, inputs)
+
+
+def time_layer_us(graph, replays: int) -> float:
     return statistics.median(timing.time_events(graph.replay) for _ in range(replays)) * 1e3 / QWEN3_0_6B["layers"]
 
 
@@ -137,11 +142,12 @@ def main():
             for programs in args.programs for pdl in (True, False)]
     for row in rows:
         print(f"{row['programs']:5d} programs, PDL {'on ' if row['pdl'] else 'off'}: {row['us_per_link']:.2f} us a link")
+    graphs = {name: layer_graph(name == "shared", args.context, args.block_size) for name in ("own", "shared")}
     # alternated, so that clock and temperature drift reach both alike
-    layer_us = {"own": [], "shared": []}
+    layer_us = {name: [] for name in graphs}
     for _ in range(args.layer_rounds):
-        for name in layer_us:
-            layer_us[name].append(time_layer_us(name == "shared", args.context, args.block_size, args.replays))
+        for name, (graph, _) in graphs.items():
+            layer_us[name].append(time_layer_us(graph, args.replays))
     layers = {name: statistics.median(times) for name, times in layer_us.items()}
     print(f"decoder layers, batch 1 at {args.context} keys: {layers['own']:.2f} us a layer with their own weights, "
           f"{layers['shared']:.2f} with layer 0's for all (in L2)")

@@ -1,5 +1,6 @@
-"""benchmarks/bench_chain.py: each link of the chain reads the whole vector before it and
-writes the next one (interpreter)."""
+"""benchmarks/bench_chain.py (interpreter): each link of the chain reads the whole vector before
+it and writes the next one; the decoder-layer graph computes a decode step, and its shared
+variant reads layer 0's weights in every layer."""
 import pytest
 import torch
 
@@ -15,7 +16,6 @@ def test_each_link_writes_sum_mod_7_plus_index(programs):
         expected = torch.remainder(expected.double().sum(), 7) + torch.arange(WIDTH, dtype=torch.float64)
     chain(buffers, 3, programs, pdl=False)
     assert torch.equal(buffers[1].double(), expected)
-
 
 
 SHAPE = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 96, "layers": 2}

@@ -11,7 +11,9 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanovllm.kernels import dispatch
 from nanovllm.kernels._tiling import cdiv, next_power_of_2
+from nanovllm.kernels.gemv import _prefetch_l2
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 _LOG2E = 1.4426950408889634
@@ -196,7 +198,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, KV_PACK: tl.constexpr, PRELOAD: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, query tile, KV split). Its BLOCK_M rows are (query row,
     query head) pairs of the GQA group of one kv head, row-major, so each K/V tile loaded
@@ -209,7 +211,8 @@ def _paged_attention_kernel(
     into its own head's columns and zeros elsewhere, so one product scores it against its own
     head's keys, and its output is stored from those columns. With PRELOAD (decode, unsplit,
     no window, heads of 64 or less), the first key tile below the step's own keys is loaded
-    before the wait: earlier steps wrote it."""
+    before the wait: earlier steps wrote it; with PREFETCH_NEXT too (tiles spanning several
+    cache blocks), the next tile's rows are requested into L2 at the same point."""
     pair, tile = _pair_and_tile(PAIRS_PER_GROUP)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -239,6 +242,14 @@ def _paged_attention_kernel(
                            PAD_D)
         pre_v = _load_rows(v_head_ptr + pre_v_rows[:, None] + offs_d[None, :] * stride_vd, pre_in, d_mask, True,
                            PAD_D)
+        if PREFETCH_NEXT:
+            # Rows gathered from small blocks: the loop's first tile, requested only after the
+            # wait and the query's load, would otherwise start its round trips then.
+            next_in = BLOCK_N + offs_n < seq_len - q_len
+            next_k_rows, next_v_rows = _kv_rows(block_table_row, BLOCK_N, offs_n, next_in, stride_btc, stride_kb,
+                                                stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
+            _prefetch_l2(k_head_ptr + next_k_rows)
+            _prefetch_l2(v_head_ptr + next_v_rows)
     # Before the exit: were every program to leave without waiting, the kernel could finish
     # ahead of its predecessor and release the next kernel too early.
     await_previous_kernel(PDL)
@@ -589,7 +600,7 @@ def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         *q.stride(), *(out.stride() if not split else (0, 0, 0)),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_PACK=kv_pack,
-        PRELOAD=preload,
+        PRELOAD=preload, PREFETCH_NEXT=preload and config.block_n > k_cache.shape[1] and not dispatch.INTERPRETER,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=k_cache.shape[1],
         CAUSAL=bool(causal), SPLIT=split, USE_TMA=k_desc is not None, PAIRS_PER_GROUP=PAIRS_PER_GROUP,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", WINDOW=window > 0,

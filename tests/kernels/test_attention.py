@@ -491,6 +491,27 @@ def test_decode_gpu(nan_empty, num_splits, block_size):
 
 
 @gpu
+@pytest.mark.parametrize("block_size,prefetches", [(16, True), (128, False)])
+def test_decode_small_heads_prefetch_next_tile_gpu(nan_empty, monkeypatch, block_size, prefetches):
+    """Unsplit decode with heads of 64 preloads its first key tile; where tiles span several
+    cache blocks it also requests the next tile's rows into L2, a hint that leaves the output
+    as it is (sequences shorter than one tile, than two, and longer)."""
+    launched, kernel = [], attention._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["PRELOAD"], kwargs["PREFETCH_NEXT"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(attention, "_paged_attention_kernel", Spy())
+    shape = [(1, n) for n in (1, 0, 129, 4097, 512, 33, 300, 200)]
+    check(make_case(shape, (14, 2), 64, block_size, torch.bfloat16, "cuda", spare_columns=5), num_splits=1)
+    assert launched == [(True, prefetches)]
+
+
+@gpu
 @pytest.mark.parametrize("heads,head_dim,block_size", [((14, 2), 64, 128), ((8, 2), 64, 64), ((12, 4), 32, 256)])
 def test_decode_packed_kv_heads_gpu(nan_empty, heads, head_dim, block_size):
     """A decode batch of more sequences than SMs with small kv heads: one program a sequence."""

@@ -102,7 +102,7 @@ def decoder_layers(shape: dict, weights: list[dict], inputs: dict) -> torch.Tens
     heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
     x, residual = inputs["hidden"], None
     for w, (k_cache, v_cache) in zip(weights, inputs["caches"]):
-        qkv, residual = kernels.norm_linear(x, residual, w["input_norm"], EPS, w["qkv"])
+        qkv, residual = kernels.norm_linear(x, residual, w["input_norm"], EPS, w["qkv"], leave_room=True)
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         attention = kernels.qk_norm_rope_attention(
             q.view(1, heads, head_dim), k.view(1, kv_heads, head_dim), v.view(1, kv_heads, head_dim),

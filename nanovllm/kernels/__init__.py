@@ -347,19 +347,23 @@ def _few_rows_on_gemv(x: torch.Tensor) -> bool:
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
+                weight: torch.Tensor, bias: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
+                leave_room: bool = False):
     """A pre-norm decoder's norm and the projection after it: with a residual,
     (linear(rms_norm(x + residual)), x + residual), without one (linear(rms_norm(x)), x).
     One kernel where one or two CUDA rows go to the small-batch GEMV's row kernel (decode of 1-2),
     else fused_add_rms_norm or rms_norm, then linear(). May reuse the memory of x and residual:
-    callers must not read either afterwards."""
+    callers must not read either afterwards. `leave_room`: the kernel after this one starts its
+    programs beside this one's and needs room on every SM (the decode attention after qkv): the
+    row kernel then puts fewer of its programs on an SM."""
     _require_last_dim_vector(x, norm_weight, "norm_weight")
     if residual is not None:
         _require_like(residual, x, "residual", "x")
     _require_weight(weight, x.shape[-1])
     _require_linear_operands(x, weight, bias, prefetch)  # before any kernel consumes x and residual
     if _few_rows_on_gemv(x):
-        fused = implementation("norm_linear", x.device)(x, residual, norm_weight, eps, weight, bias, prefetch)
+        fused = implementation("norm_linear", x.device)(x, residual, norm_weight, eps, weight, bias, prefetch,
+                                                         leave_room)
         if fused is not None:
             return fused
     if residual is None:

@@ -42,7 +42,7 @@ import triton.language as tl
 from nanovllm.kernels import dispatch
 from nanovllm.kernels._tiling import cdiv, next_power_of_2
 from nanovllm.kernels.activation import activate
-from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
+from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch, occupancy_cap
 
 MAX_ROWS = 16  # rows of x a call serves: one tl.dot tile
 # Two resident programs an SM: 3 pipeline stages of 16 KB weight tiles take 80 KB of shared
@@ -66,6 +66,13 @@ prefetch_enabled = os.environ.get("NANOVLLM_GEMV_PREFETCH", "1") != "0"
 ROW_MAX_ROWS = 2  # rows of x the row kernel serves (kernels.GEMV_ROW_MAX_ROWS)
 _ROW_PROGRAM_BYTES = 16 << 10  # weight a row-kernel program holds in registers
 _ROW_WARPS = 4
+# norm_linear(leave_room=True): at most this many programs an SM, where the grid fits so. At 64
+# registers a thread eight would fit, and qkv's programs, starting as the kernel before leaves,
+# filled the SMs that freed first and left the decode attention after them no room to start
+# and read its first key tile before its wait (H200, Qwen3-0.6B, decode step at 1k context:
+# 1 row 0.697-0.698 -> 0.691-0.692 ms, 2 rows 0.957-0.958 -> 0.935-0.942; capping every row
+# grid that fits, o's and down's too, gained half that).
+_ROW_PROGRAMS_PER_SM_CAP = 4
 # Input bytes that a fused prologue's programs may read between them (each reads the whole
 # input row): about what L2 serves in the ~1 us that the separate kernel's boundary costs.
 # Qwen3-0.6B's norms and activation re-read 2-6 MB and fused gain (H200, batch 1: 0.858 ->
@@ -296,17 +303,21 @@ def row_config(n: int, k: int, element_size: int, device_index: int) -> tuple[in
 
 
 def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prologue: str = "none", residual=None,
-                residual_out=None, norm_weight=None, eps: float = 0.0, activation: str = "silu") -> None:
+                residual_out=None, norm_weight=None, eps: float = 0.0, activation: str = "silu",
+                leave_room: bool = False) -> None:
     """x: ROW_MAX_ROWS rows at most, with unit stride ([M, 2K] for the "act" prologue, else
     [M, K]); residual and residual_out contiguous [M, K]."""
     n, k = weight.shape
-    _gemv_row_kernel[(cdiv(n, block_n),)](
+    programs, device = cdiv(n, block_n), x.get_device()
+    fits = programs <= _ROW_PROGRAMS_PER_SM_CAP * _sm_count(device)
+    cap = occupancy_cap(device, _ROW_PROGRAMS_PER_SM_CAP) if leave_room and fits else {}
+    _gemv_row_kernel[(programs,)](
         x, weight, out if bias is None else bias, out, x.shape[0], n, k, x.stride(0), weight.stride(0),
         x if residual is None else residual, x if residual_out is None else residual_out,
         out if norm_weight is None else norm_weight, eps,
         HAS_BIAS=bias is not None, ROWS=next_power_of_2(x.shape[0]), BLOCK_N=block_n, BLOCK_K=block_k,
         PROLOGUE=prologue, ACTIVATION=activation, num_warps=_ROW_WARPS, num_stages=1,
-        **dependent_launch(x.get_device()))
+        **dependent_launch(device), **cap)
 
 
 def _row_block(x: torch.Tensor, n: int, k: int) -> tuple[int, int] | None:
@@ -341,9 +352,10 @@ def _unit_stride(weight: torch.Tensor, bias: torch.Tensor | None):
     return weight, bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None):
+def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None, leave_room=False):
     """kernels.norm_linear in one launch of the row kernel, or None where it does not serve
-    (_prologue_block). `prefetch` is unused: the row kernel does not prefetch."""
+    (_prologue_block). `prefetch` is unused: the row kernel does not prefetch. `leave_room`:
+    at most _ROW_PROGRAMS_PER_SM_CAP programs an SM."""
     n, k = weight.shape
     block = _prologue_block(x, n, k, (1 if residual is None else 2) * k * x.element_size())
     if block is None:
@@ -353,7 +365,7 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None)
     weight, bias = _unit_stride(weight, bias)
     _launch_row(_rows(x, k), weight, bias, out, *block, "norm" if residual is None else "add_norm",
                 None if residual is None else residual.reshape(-1, k).contiguous(), residual_out,
-                norm_weight.contiguous(), eps)
+                norm_weight.contiguous(), eps, leave_room=leave_room)
     return out, residual_out
 
 

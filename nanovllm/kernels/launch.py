@@ -70,6 +70,24 @@ def await_previous_kernel(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@functools.cache
+def occupancy_cap(device_index: int, programs_per_sm: int) -> dict:
+    """Launch keywords that let at most `programs_per_sm` programs of a fast-launched kernel
+    share an SM: its dynamic shared memory is padded to a share of the SM's. Programs that
+    start while the kernel before is leaving otherwise fill the SMs that free first, as many
+    as registers allow, and the kernel after finds no room there to start and issue its loads
+    before its wait. Only for kernels with programmatic dependent launch on a GPU, and not
+    through Triton's own launch path, which has no such option and ignores the keyword (the
+    first call of each specialization, Triton's launch hooks, NANOVLLM_FAST_LAUNCH=0); {} where
+    launches take no keyword of fast_launch's (the CPU, the interpreter, other Triton
+    versions) or run without PDL."""
+    if not (SUPPORTED and dependent_launch(device_index)["PDL"]):
+        return {}
+    per_sm = torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor
+    # Above 48 KB a kernel needs an opt-in attribute: there the cap is looser than asked.
+    return {"min_shared_memory": min(per_sm // (programs_per_sm + 1) + 1, 48 << 10)}
+
+
 def fast_launch(kernel):
     """Decorator over @triton.jit; call sites keep `kernel[grid](*args, **constexprs)`."""
     return FastLauncher(kernel) if SUPPORTED and isinstance(kernel, JITFunction) else kernel
@@ -106,7 +124,9 @@ class FastLauncher:
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
 
-    def launch(self, grid, *args, **kwargs):
+    def launch(self, grid, *args, min_shared_memory: int = 0, **kwargs):
+        """`min_shared_memory`: bytes of dynamic shared memory to reserve a program at least
+        (occupancy_cap)."""
         kernel = self.kernel
         if not enabled or kernel.pre_run_hooks or _observed():
             return kernel[grid](*args, **kwargs)
@@ -118,6 +138,9 @@ class FastLauncher:
             compiled = self._compiled[key] = kernel[grid](*args, **kwargs)
             return compiled
         x, y, z = (*grid, 1, 1)[:3]
+        metadata = compiled.packed_metadata  # (num_warps, num_ctas, shared memory bytes)
+        if min_shared_memory > metadata[2]:
+            metadata = (*metadata[:2], min_shared_memory)
         compiled.run(x, y, z, driver.active.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *bound)
+                     metadata, None, None, None, *bound)
         return compiled

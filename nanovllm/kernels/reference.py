@@ -53,7 +53,8 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).to(x.dtype)
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None):
+def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None, leave_room=False):
+    """`prefetch` and `leave_room` are hints to the GPU's scheduling: nothing to do here."""
     normed, residual = (rms_norm(x, norm_weight, eps), x) if residual is None else fused_add_rms_norm(
         x, residual, norm_weight, eps)
     return small_batch_linear(normed, weight, bias), residual

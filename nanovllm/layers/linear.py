@@ -68,11 +68,14 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, shard_dim=0)
 
+    leave_room = False  # kernels.norm_linear's hint: set where the decode attention runs next
+
     def normed_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
         """(this projection of norm(x + residual), x + residual), of norm(x) and x without a
         residual: `norm` (an RMSNorm) fused into the projection's kernel in decode steps of one
         or two sequences (kernels.norm_linear). x and residual must not be read afterwards."""
-        return kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, self._next_weight())
+        return kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, self._next_weight(),
+                                   self.leave_room)
 
 
 class RowParallelLinear(LinearBase):
@@ -120,6 +123,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matrix; shard ids 'q', 'k', 'v'."""
+    leave_room = True  # the decode attention after it starts beside it
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         self.head_dim = head_dim

@@ -117,6 +117,38 @@ def test_every_k_block_its_own_split_and_counters_left_at_zero(device, dtype):
     assert not gemv._arrival_counters(torch.device(device)).any()
 
 
+def test_leave_room_caps_row_grids_that_fit(monkeypatch):
+    """norm_linear(leave_room=True) launches a row grid of at most _ROW_PROGRAMS_PER_SM_CAP
+    programs an SM with launch.occupancy_cap's keywords; a larger grid, or no leave_room, runs
+    as many an SM as fit."""
+    gemv, launched = _gemv(), []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, kwargs.get("min_shared_memory")))
+
+    monkeypatch.setattr(gemv, "_gemv_row_kernel", Spy())
+    monkeypatch.setattr(gemv, "occupancy_cap", lambda device, programs: {"min_shared_memory": programs})
+    fits = gemv._ROW_PROGRAMS_PER_SM_CAP * gemv._sm_count(-1)
+    x, norm = torch.zeros(1, 64), torch.ones(64)
+    assert gemv.row_config(64 * fits, 64, 4, -1)[0] == 64  # a program 64 features
+    for n, leave_room in ((64 * fits, True), (64 * fits + 1, True), (64 * fits, False)):
+        gemv.norm_linear(x, None, norm, 1e-6, torch.zeros(n, 64), leave_room=leave_room)
+    assert launched == [((fits,), gemv._ROW_PROGRAMS_PER_SM_CAP), ((fits + 1,), None), ((fits,), None)]
+
+
+def test_qkv_leaves_room_for_the_attention(monkeypatch):
+    """The qkv projection asks norm_linear to leave room for the decode attention after it;
+    the MLP's gate_up does not."""
+    from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    asked = []
+    monkeypatch.setattr(kernels, "norm_linear", lambda *args: asked.append(args[-1]) or (args[0], args[0]))
+    norm = torch.nn.RMSNorm(8, eps=1e-6)
+    QKVParallelLinear(8, 4, 2, 1).normed_forward(torch.zeros(1, 8), norm, None)
+    MergedColumnParallelLinear(8, [16, 16]).normed_forward(torch.zeros(1, 8), norm, None)
+    assert asked == [True, False]
+
+
 def test_short_programs_run_unpipelined():
     """Up to _UNPIPELINED_TILES weight tiles a program: one stage; longer runs: three."""
     gemv = _gemv()

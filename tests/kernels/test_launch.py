@@ -80,7 +80,7 @@ class _StandIn:
     def run(self, *args):
         self.direct.append(args)
 
-    function, packed_metadata = "function", "metadata"
+    function, packed_metadata = "function", (4, 1, 1024)  # num_warps, num_ctas, shared memory bytes
 
 
 @pytest.fixture
@@ -101,10 +101,44 @@ def test_a_known_specialization_goes_straight_to_the_compiled_kernel(stand_in):
     launcher[(5, 2)](x, 9, 48, 0.5, BLOCK=64, num_warps=4)
     assert len(kernel.normal) == 1
     (args,) = kernel.direct  # grid padded to 3-D, the current stream, no hooks, the arguments in order
-    assert args[:9] == (5, 2, 1, 1234, "function", "metadata", None, None, None)
+    assert args[:9] == (5, 2, 1, 1234, "function", (4, 1, 1024), None, None, None)
     assert args[9] is x and args[10:] == (9, 48, 0.5, 64)
     launcher[(3,)](buffer[1:17], 7, 32, 1e-6, BLOCK=64, num_warps=4)  # misaligned: a new specialization
     assert len(kernel.normal) == 2 and len(kernel.direct) == 1
+
+
+def test_min_shared_memory_raises_the_direct_launch_s_shared_memory_only(stand_in, monkeypatch):
+    """The padding reaches the compiled kernel's launch, never below its own need, and is not
+    passed to Triton's path, which has no such option."""
+    kernel, launcher = stand_in
+    x = torch.zeros(16)
+    launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4, min_shared_memory=40000)
+    assert "min_shared_memory" not in kernel.normal[0][2]
+    launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4, min_shared_memory=40000)
+    launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4, min_shared_memory=512)
+    launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4)
+    assert [args[5] for args in kernel.direct] == [(4, 1, 40000), (4, 1, 1024), (4, 1, 1024)]
+    monkeypatch.setattr(launch, "enabled", False)
+    launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4, min_shared_memory=40000)
+    assert "min_shared_memory" not in kernel.normal[-1][2]
+
+
+def test_occupancy_cap_pads_to_a_share_of_the_sm(monkeypatch):
+    """(programs + 1) paddings overfill an SM's shared memory, `programs` of them do not; none
+    on the CPU or without PDL; at most the 48 KB a launch takes without an opt-in."""
+    launch.occupancy_cap.cache_clear()
+    assert launch.occupancy_cap(-1, 4) == {}
+    monkeypatch.setattr(launch, "dependent_launch", lambda device: {"PDL": True, "launch_pdl": True})
+    props = SimpleNamespace(shared_memory_per_multiprocessor=233472)  # H100 / H200
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    try:
+        padding = launch.occupancy_cap(0, 4)["min_shared_memory"]
+        assert 4 * padding <= 233472 < 5 * padding
+        assert launch.occupancy_cap(0, 2)["min_shared_memory"] == 48 << 10
+        monkeypatch.setattr(launch, "dependent_launch", lambda device: {"PDL": False, "launch_pdl": False})
+        assert launch.occupancy_cap(1, 4) == {}
+    finally:
+        launch.occupancy_cap.cache_clear()
 
 
 def test_hooks_debug_and_the_switch_keep_triton_s_own_path(stand_in, monkeypatch):

@@ -69,9 +69,9 @@ _ROW_WARPS = 4
 # norm_linear(leave_room=True): at most this many programs an SM, where the grid fits so. At 64
 # registers a thread eight would fit, and qkv's programs, starting as the kernel before leaves,
 # filled the SMs that freed first and left the decode attention after them no room to start
-# and read its first key tile before its wait (H200, Qwen3-0.6B, decode step at 1k context:
-# 1 row 0.697-0.698 -> 0.691-0.692 ms, 2 rows 0.957-0.958 -> 0.935-0.942; capping every row
-# grid that fits, o's and down's too, gained half that).
+# and read its first key tile before its wait (H200, Qwen3-0.6B, decode step at 1k context,
+# two runs: 1 row 0.696, 0.697 -> 0.693, 0.693 ms, 2 rows 0.958, 0.960 -> 0.939, 0.938; capping
+# every row grid that fits, o's and down's too: 2 rows 0.960, 0.961 -> 0.949, 0.953).
 _ROW_PROGRAMS_PER_SM_CAP = 4
 # Input bytes that a fused prologue's programs may read between them (each reads the whole
 # input row): about what L2 serves in the ~1 us that the separate kernel's boundary costs.

@@ -65,10 +65,10 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
+    leave_room = False  # kernels.norm_linear's hint: set where the decode attention runs next
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, shard_dim=0)
-
-    leave_room = False  # kernels.norm_linear's hint: set where the decode attention runs next
 
     def normed_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
         """(this projection of norm(x + residual), x + residual), of norm(x) and x without a

@@ -269,6 +269,22 @@ def test_merge_splits_interpreted(interpreted, monkeypatch, splits, merge_per_th
     assert_close(out, ref, torch.float32)
 
 
+def spy_launches(monkeypatch, *names) -> list:
+    """Launches of the paged-attention kernel go on as before; each appends the values of its
+    `names` keywords, as a tuple, to the list returned."""
+    launched, kernel = [], attention._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(tuple(kwargs[name] for name in names))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(attention, "_paged_attention_kernel", Spy())
+    return launched
+
+
 @interpret
 @pytest.mark.parametrize("head_dim,max_seqlen_q,num_splits,preloads", [(64, 1, 1, True), (128, 1, 1, False),
                                                                         (64, 1, 3, False), (64, 2, 1, False)])
@@ -278,19 +294,10 @@ def test_decode_preloads_its_first_key_tile_interpreted(interpreted, nan_empty, 
     sequence whose keys before this step fill it (300) takes it, one whose step key lies in
     that tile (17, 64: 128-key tiles) reads the tile in the loops. Heads of 128, split grids
     and steps with more than one query row never preload."""
-    launched, kernel = [], attention._paged_attention_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(kwargs["PRELOAD"])
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(attention, "_paged_attention_kernel", Spy())
+    launched = spy_launches(monkeypatch, "PRELOAD")
     shape = [(1, 300), (1, 0), (1, 17), (max_seqlen_q, 64), (1, 129)]
     check(make_case(shape, (8, 2), head_dim, block_size=16, spare_columns=3), num_splits=num_splits)
-    assert launched == [preloads]
+    assert launched == [(preloads,)]
 
 
 @interpret
@@ -496,16 +503,7 @@ def test_decode_small_heads_prefetch_next_tile_gpu(nan_empty, monkeypatch, block
     """Unsplit decode with heads of 64 preloads its first key tile; where tiles span several
     cache blocks it also requests the next tile's rows into L2, a hint that leaves the output
     as it is (sequences shorter than one tile, than two, and longer)."""
-    launched, kernel = [], attention._paged_attention_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append((kwargs["PRELOAD"], kwargs["PREFETCH_NEXT"]))
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(attention, "_paged_attention_kernel", Spy())
+    launched = spy_launches(monkeypatch, "PRELOAD", "PREFETCH_NEXT")
     shape = [(1, n) for n in (1, 0, 129, 4097, 512, 33, 300, 200)]
     check(make_case(shape, (14, 2), 64, block_size, torch.bfloat16, "cuda", spare_columns=5), num_splits=1)
     assert launched == [(True, prefetches)]

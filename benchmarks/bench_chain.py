@@ -10,9 +10,10 @@ and divides by the links. A decode step's dependent kernels cost at least this m
 Then the same for the kernels of a decoder layer at batch 1, as the engine runs them at one
 sequence (norm_linear for qkv, leaving room for the attention, qk_norm_rope_attention, the o
 projection, norm_linear for gate_up, act_linear for down), Qwen3-0.6B's shape, 28 layers in
-one graph, one sequence of 1,024 keys in blocks of 128. Once with every layer's own weights, once with all layers
-reading layer 0's, which then stay in the L2 cache: the difference is what streaming the
-weights from memory adds to the chain, and so the most that reading them ahead could save.
+one graph, one sequence of 1,024 keys in blocks of 128. Once with every layer's own weights,
+once with all layers reading layer 0's, which then stay in the L2 cache: the difference is
+what streaming the weights from memory adds to the chain, and so the most that reading them
+ahead could save.
 
     python -m benchmarks.bench_chain --out DIR
 """

@@ -309,8 +309,8 @@ def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prologue: str 
     [M, K]); residual and residual_out contiguous [M, K]."""
     n, k = weight.shape
     programs, device = cdiv(n, block_n), x.get_device()
-    fits = programs <= _ROW_PROGRAMS_PER_SM_CAP * _sm_count(device)
-    cap = occupancy_cap(device, _ROW_PROGRAMS_PER_SM_CAP) if leave_room and fits else {}
+    capped = leave_room and programs <= _ROW_PROGRAMS_PER_SM_CAP * _sm_count(device)
+    cap = occupancy_cap(device, _ROW_PROGRAMS_PER_SM_CAP) if capped else {}
     _gemv_row_kernel[(programs,)](
         x, weight, out if bias is None else bias, out, x.shape[0], n, k, x.stride(0), weight.stride(0),
         x if residual is None else residual, x if residual_out is None else residual_out,

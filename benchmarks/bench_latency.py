@@ -33,14 +33,15 @@ Time to first token: LLM.generate of one prompt of fresh random tokens to one ou
 median of --ttft-repeats after one warm-up (prefix caching is off).
 
 --profile: a torch.profiler trace (Chrome JSON) of --profile-steps batch-1 decode steps at
-the first context, and the GPU activity of its median step: the work between the copies of
-two steps' sampled tokens to the host. Printed: its kernel count; kernel time, the sum of
-kernel durations (with programmatic dependent launch a kernel starts while its predecessor
-runs and its duration includes that wait, so the sum can exceed the busy time); busy time,
-the union of all kernels and copies; gap time, the step minus busy time: the GPU idle
-between its activities; the largest gaps and the kernels that take the most time. Per kernel
-name, the busy time it adds: how far each kernel's end reaches past the latest end before it,
-summed; what the step would lose with those kernels gone and nothing else moving.
+the first context, and the GPU activity of its median step: the work between the kernels
+that store two steps' sampled tokens for the host (TOKENS_OUT). Printed: its kernel count;
+kernel time, the sum of kernel durations (with programmatic dependent launch a kernel starts
+while its predecessor runs and its duration includes that wait, so the sum can exceed the
+busy time); busy time, the union of all kernels and copies; gap time, the step minus busy
+time: the GPU idle between its activities; the largest gaps and the kernels that take the
+most time. Per kernel name, the busy time it adds: how far each kernel's end reaches past the
+latest end before it, summed; what the step would lose with those kernels gone and nothing
+else moving.
 
 NANOVLLM_GEMV=0 runs the projections and the LM head on cuBLAS instead of the Triton GEMV;
 the JSON records which. Without a GPU (a smoke run of the logic):
@@ -64,6 +65,7 @@ from nanovllm.utils.timing import device_copy_gbs
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanovllm", "configs")
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
+TOKENS_OUT = "_publish_kernel"  # kernels/staging.py: stores a step's sampled tokens for the host
 _request_ids = itertools.count(1 << 40)  # apart from the ids LLM.generate hands out
 
 
@@ -238,9 +240,10 @@ def _busy_us(events: list[dict], start: float, end: float) -> float:
 
 
 def decode_steps(activity: list[dict]) -> list[dict]:
-    """GPU activity cut into decode steps: every step ends with the copy of its sampled tokens
-    to the host; a step is what runs after one such copy, up to the end of the next."""
-    ends = [i for i, e in enumerate(activity) if e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]]
+    """GPU activity cut into decode steps: every step ends with the kernel that stores its
+    sampled tokens for the host; a step is what runs after one such kernel, up to the end of
+    the next."""
+    ends = [i for i, e in enumerate(activity) if e["cat"] == "kernel" and e["name"] == TOKENS_OUT]
     steps = []
     for before, last in zip(ends, ends[1:]):
         start, end = activity[before]["ts"] + activity[before]["dur"], activity[last]["ts"] + activity[last]["dur"]

@@ -33,29 +33,35 @@ SAMPLING_GRAPH_MAX_SEQS = 1
 
 
 class SampledTokens:
-    """Token ids sampled on the device, on their way to the host with the log-probabilities
-    rows asked for: one non-blocking copy of each into pinned memory, waited for only when read
-    (through `wait`, given an event, when set). `logprobs`: None when no row asked, else the
-    float32 tensor _pack_logprobs made; `num_logprobs`: each row's SamplingParams.logprobs."""
+    """Token ids sampled on the device, on their way to the host: kernels.publish_tokens stores
+    them into `host`, a row of pinned memory, and the log-probabilities the rows asked for come
+    by one non-blocking copy into pinned memory. With `on_gpu`, both are read once an event
+    recorded after them has passed, waited for through `wait` (given the event) when set.
+    `logprobs`: None when no row asked, else the float32 tensor _pack_logprobs made;
+    `num_logprobs`: each row's SamplingParams.logprobs."""
 
-    def __init__(self, tokens: torch.Tensor | None, wait=None, logprobs: torch.Tensor | None = None,
-                 num_logprobs: list[int | None] | None = None):
-        self.tokens, self.logprobs_packed, self.num_logprobs, self._wait = tokens, logprobs, num_logprobs, wait
-        self._host = self._copied = None
-        if tokens is not None and tokens.is_cuda:
-            self._host = [_pinned_copy(t) for t in (tokens, logprobs) if t is not None]
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+    def __init__(self, host: torch.Tensor | None, on_gpu: bool = False, wait=None,
+                 logprobs: torch.Tensor | None = None, num_logprobs: list[int | None] | None = None):
+        self._host, self._wait, self.num_logprobs, self._tokens = host, wait, num_logprobs, None
+        self.logprobs_packed = _pinned_copy(logprobs) if on_gpu and logprobs is not None else logprobs
+        self._ready = None
+        if on_gpu and host is not None:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
 
     def tolist(self) -> list[int]:
-        if self.tokens is None:
-            return []
-        if self._copied is None:
-            return self.tokens.tolist()
-        if self._wait is not None:
-            self._wait(self._copied)
-        self._copied.synchronize()
-        return self._host[0].tolist()
+        self.settle()
+        return self._tokens
+
+    def settle(self) -> None:
+        """Waits for the tokens and keeps them, before their slot is written again."""
+        if self._tokens is not None:
+            return
+        if self._ready is not None:
+            if self._wait is not None:
+                self._wait(self._ready)
+            self._ready.synchronize()
+        self._tokens = [] if self._host is None else self._host.tolist()
 
     def logprobs(self, tokens: list[int]) -> list[dict[int, float] | None] | None:
         """After tolist(), given its tokens: for each row, {token id: log-probability} of the
@@ -64,7 +70,7 @@ class SampledTokens:
         did not ask; None when no row asked."""
         if self.logprobs_packed is None:
             return None
-        packed = self.logprobs_packed if self._host is None else self._host[1]
+        packed = self.logprobs_packed
         asked = self.num_logprobs
         top_rows = [row for row, n in enumerate(asked) if n]
         width = max((asked[row] for row in top_rows), default=0)
@@ -108,9 +114,8 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[tuple, torch.Tensor] = {}  # the LM head's output of small decode graphs
-        # Graphs sampling graph_logits without filters or log-probabilities, and their tokens.
+        # Graphs sampling graph_logits without filters or log-probabilities, publishing the tokens.
         self.sample_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.graph_samples: dict[tuple, torch.Tensor] = {}
         self.workers: Workers | None = None
         self.closed = False
         # The layers take their shard from the process's group: one engine's at a time.
@@ -140,10 +145,18 @@ class ModelRunner:
         self.noise_rng = random.Random()  # seeds the noise of unseeded requests, from OS entropy
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
-        # The last launched step's samples (on every rank), and each sampling request's row in them.
-        self._last_tokens: torch.Tensor | None = None
+        # A step's samples land in last_tokens on every rank, where the next step's input ids
+        # that wait for them are read; rank 0 also publishes them to the host in a row of
+        # sampled_host, the two rows taken in turn (kernels.publish_tokens).
+        rows = self.config.max_num_seqs
+        self.last_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.sampled_host = torch.zeros(2, rows, dtype=torch.long, pin_memory=self.pin)
+        self.publish_parity = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._published = 0  # the next publish takes row _published % 2
+        self._readers: list[SampledTokens | None] = [None, None]  # the reader of each row's tokens
+        self._publish_row: int | None = None  # the last launched step's row, None when it sampled nothing
         self._last_logprobs: torch.Tensor | None = None  # rank 0's, packed (_pack_logprobs), when rows asked
-        self._last_sample_rows: dict[int, int] = {}
+        self._last_sample_rows: dict[int, int] = {}  # each sampling request's row in last_tokens
         if self.device.type == "cuda" and not self.config.enforce_eager and kernels.graph_capturable(self.device):
             self._capture_graphs()
 
@@ -154,7 +167,7 @@ class ModelRunner:
         if self.workers:
             self._shutdown()
             return
-        for held in (self.graphs, self.graph_logits, self.sample_graphs, self.graph_samples):
+        for held in (self.graphs, self.graph_logits, self.sample_graphs):
             held.clear()
         if self.tp_size > 1:
             distributed.destroy()
@@ -269,11 +282,8 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     # --- one step -------------------------------------------------------------------------
-    def _pinned(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, pin_memory=self.pin)
-
     def _to_device(self, values, dtype) -> torch.Tensor:
-        return self._pinned(values, dtype).to(self.device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, pin_memory=self.pin).to(self.device, non_blocking=True)
 
     def _slots(self, seq, start: int, end: int) -> list[int]:
         """Cache slots of the sequence's tokens [start, end), one block's run at a time."""
@@ -285,15 +295,15 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch):
         input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens = [], [], [], [0], []
-        deferred_rows, deferred_sources = [], []  # input rows still to come from the last step's samples
+        deferred = False  # whether an input id is still to come from the last step's samples
         size = self.block_size
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             if num_new == 1:  # decode: the common case, kept cheap
-                if seq.token_ids[start] == PLACEHOLDER:
-                    deferred_rows.append(len(input_ids))
-                    deferred_sources.append(self._last_sample_rows[seq.request_id])
-                input_ids.append(seq.token_ids[start])
+                token = seq.token_ids[start]
+                if token == PLACEHOLDER:  # -1 - its row in last_tokens
+                    token, deferred = -1 - self._last_sample_rows[seq.request_id], True
+                input_ids.append(token)
                 positions.append(start)
                 slot_mapping.append(seq.block_table[start // size] * size + start % size)
             else:
@@ -306,7 +316,7 @@ class ModelRunner:
         block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in batch.seqs]
         return dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q,
                     seq_lens=seq_lens, block_tables=block_tables, max_seqlen_q=max(batch.num_new_tokens),
-                    deferred=deferred_rows + deferred_sources, sample_rows=batch.sample_rows)
+                    deferred=deferred, sample_rows=batch.sample_rows)
 
     def launch(self, batch: ScheduledBatch) -> SampledTokens:
         """Queues one forward pass and the sampling of every sequence in `batch.sample_rows`;
@@ -326,8 +336,12 @@ class ModelRunner:
             self.run_step(step, seqs)
         self._last_sample_rows = {seq.request_id: i for i, seq in enumerate(seqs)}
         num_logprobs = None if self._last_logprobs is None else [seq.params.logprobs for seq in seqs]
-        return SampledTokens(self._last_tokens, self.workers.wait_event if self.workers else None,
-                             self._last_logprobs, num_logprobs)
+        row = self._publish_row
+        sampled = SampledTokens(None if row is None else self.sampled_host[row, :len(seqs)], self.pin,
+                                self.workers.wait_event if self.workers else None, self._last_logprobs, num_logprobs)
+        if row is not None:
+            self._readers[row] = sampled
+        return sampled
 
     @torch.inference_mode()
     def run_step(self, step: dict, seqs=None) -> None:
@@ -339,20 +353,23 @@ class ModelRunner:
         hidden = self._replay_graph(step, shape, seqs if sample_in_graph else None) if shape else self._run_eager(step)
         graph_logits = self.graph_logits.get(shape) if shape else None
         sample_rows = step["sample_rows"]
-        self._last_logprobs = None
+        self._last_logprobs, self._publish_row = None, None
         if not sample_rows:
-            tokens = None
-        elif sample_in_graph:
-            self.sample_graphs[shape].replay()
-            tokens = self.graph_samples[shape][:len(sample_rows)]
-        elif self.rank == 0:
-            tokens, self._last_logprobs = self._sample(hidden, step, sample_rows, seqs, graph_logits)
+            return
+        if self.rank == 0:
+            row = self._published % 2
+            if self._readers[row] is not None:  # the tokens two publishes back leave the row first
+                self._readers[row].settle()
+            if sample_in_graph:
+                self.sample_graphs[shape].replay()
+            else:
+                tokens, self._last_logprobs = self._sample(hidden, step, sample_rows, seqs, graph_logits)
+                kernels.publish_tokens(tokens, self.last_tokens, self.sampled_host, self.publish_parity)
+            self._published, self._publish_row = self._published + 1, row
         else:
             self._logits(hidden, step, sample_rows)  # this rank's vocabulary rows, gathered on rank 0
-            tokens = torch.empty(len(sample_rows), dtype=torch.long, device=self.device)
-        if tokens is not None and self.tp_size > 1:
-            distributed.broadcast_from_first(tokens)
-        self._last_tokens = tokens
+        if self.tp_size > 1:
+            distributed.broadcast_from_first(self.last_tokens[:len(sample_rows)])
 
     def _logits(self, hidden: torch.Tensor, step, sample_rows: list[int],
                 graph_logits: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -376,12 +393,6 @@ class ModelRunner:
                                              top_rows=self._to_device(top_rows, torch.long) if top_rows else None)
         return tokens, _pack_logprobs(chosen, top)
 
-    def _fill_deferred(self, input_ids: torch.Tensor, deferred: torch.Tensor) -> None:
-        """Writes the last step's samples, still on the device, into the input rows that wait
-        for them. `deferred` holds the rows, then the matching sample indices."""
-        rows, sources = deferred.view(2, -1)
-        input_ids[rows] = self._last_tokens[sources]
-
     def _run_eager(self, step) -> torch.Tensor:
         set_context(cu_seqlens_q=self._to_device(step["cu_seqlens_q"], torch.int32),
                     seq_lens=self._to_device(step["seq_lens"], torch.int32),
@@ -389,8 +400,9 @@ class ModelRunner:
                     slot_mapping=self._to_device(step["slot_mapping"], torch.long),
                     max_seqlen_q=step["max_seqlen_q"])
         input_ids = self._to_device(step["input_ids"], torch.long)
-        if step["deferred"]:
-            self._fill_deferred(input_ids, self._to_device(step["deferred"], torch.long))
+        if step["deferred"]:  # ids -1 - i: the last step's sample i
+            waiting = input_ids < 0
+            input_ids = torch.where(waiting, self.last_tokens[torch.where(waiting, -1 - input_ids, 0)], input_ids)
         try:
             return self.model(input_ids, self._to_device(step["positions"], torch.long))
         finally:
@@ -432,6 +444,10 @@ class ModelRunner:
     # were about a third of it (H200, Qwen3-0.6B, 1 x 1,024: 0.711 -> 0.694 ms a step). Where
     # the GPU sets the pace the second graph's launch costs more than it saves (4 x 1,024:
     # 1.053 -> 1.085 ms; 16 x 1,024: 1.606 -> 1.620).
+    # A graph's first kernel stages its inputs from pinned memory the host wrote
+    # (kernels.stage_inputs) and the sampling graph publishes its tokens into pinned memory:
+    # no copy-engine transfer between the steps' kernels (H200, Qwen3-0.6B, 1 x 1,024: 0.694
+    # -> 0.677 ms a step with both, against copies before the replay and after the draw).
     def _capture_graphs(self) -> None:
         max_bs = min(self.config.max_num_seqs, 512)
         decode = [(b, b, 1) for b in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}) if b <= max_bs]
@@ -441,16 +457,18 @@ class ModelRunner:
         max_tokens = max(t for t, _, _ in self.graph_shapes)
         max_seqs = max(s for _, s, _ in self.graph_shapes)
         device = self.device
-        # Rows of one tensor each, so that one host-to-device copy fills a step's per-token
-        # inputs and one its per-sequence inputs (_replay_graph). Below the largest graph the
-        # rows' slices are strided, and PyTorch stages each copy through a device buffer and
-        # a copy kernel: still 6 operations before a replay, against 9 for separate tensors.
+        # Per token: input ids, positions, slot mapping. Per sequence: seq_lens, cu_seqlens_q,
+        # then for sampling graphs noise seeds and temperatures (float32 bits).
         self.graph_tokens = torch.zeros(3, max_tokens, dtype=torch.long, device=device)
-        # Per sequence: seq_lens, cu_seqlens_q, then for sampling graphs noise seeds and
-        # temperatures (float32 bits).
         self.graph_seqs = torch.zeros(4, max_seqs + 1, dtype=torch.int32, device=device)
-        self.graph_tokens[2].fill_(-1)
-        self.graph_seqs[1].copy_(torch.arange(max_seqs + 1))
+        # Two slots of pinned memory, a replay's staged inputs in one while the host writes the
+        # other; the event after each replay says when its slot is free again.
+        used = 2 + 3 * max_tokens + 4 * (max_seqs + 1) + max_seqs * self.max_blocks_per_seq
+        self.staging = torch.zeros(2, max(used, kernels.STAGE_SLOT_MIN), dtype=torch.int32, pin_memory=True)
+        self._staging_slots = self.staging.numpy()
+        self.staging_parity = torch.zeros(1, dtype=torch.int32, device=device)
+        self._staged_events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._staged = 0  # replays so far: the next one's slot is _staged % 2
         self.graph_inputs = dict(
             input_ids=self.graph_tokens[0], positions=self.graph_tokens[1], slot_mapping=self.graph_tokens[2],
             seq_lens=self.graph_seqs[0, :max_seqs], cu_seqlens_q=self.graph_seqs[1],
@@ -460,7 +478,7 @@ class ModelRunner:
         sampling_graphs = kernels.graph_capturable(device, sampling=True)
         pool = None
         for shape in sorted(self.graph_shapes, reverse=True):  # largest first: the rest reuse its pool
-            self._cu_seqlens_for(shape)
+            self._stage_padding(shape)
             graph = torch.cuda.CUDAGraph()
             self._graph_forward(shape)  # compiles kernels and settles allocations outside capture
             with torch.cuda.graph(graph, pool):
@@ -474,16 +492,26 @@ class ModelRunner:
                     self._graph_sample(shape)
         self._synchronize()
         reset_context()
+        # the runs before each capture staged and published: both counts start again
+        self.staging_parity.zero_()
+        self.publish_parity.zero_()
+        self._synchronize()
 
-    def _cu_seqlens_for(self, shape) -> None:
+    def _stage_padding(self, shape) -> None:
+        """Puts a step of padding sequences of `shape` in both slots, for the run and the
+        capture of its graph."""
         tokens, seqs, _ = shape
-        cu = self.graph_inputs["cu_seqlens_q"]
-        cu[:seqs].copy_(torch.arange(seqs))
-        cu[seqs] = tokens
+        values = kernels.staged_values([[0] * tokens, [0] * tokens, [-1] * tokens],
+                                       [[0] * (seqs + 1), [*range(seqs), tokens], [0] * (seqs + 1), [0] * (seqs + 1)],
+                                       [])
+        self._synchronize()  # the run before may still read them
+        self._staging_slots[:, :len(values)] = values
 
     def _graph_forward(self, shape) -> None:
         tokens, seqs, max_seqlen_q = shape
         g = self.graph_inputs
+        kernels.stage_inputs(self.staging, self.staging_parity, self.last_tokens, self.graph_tokens, self.graph_seqs,
+                             g["block_tables"], tokens, seqs)
         set_context(cu_seqlens_q=g["cu_seqlens_q"][:seqs + 1], seq_lens=g["seq_lens"][:seqs],
                     block_tables=g["block_tables"][:seqs], slot_mapping=g["slot_mapping"][:tokens],
                     max_seqlen_q=max_seqlen_q)
@@ -497,9 +525,8 @@ class ModelRunner:
     def _graph_sample(self, shape) -> None:
         seqs = shape[1]
         temperatures = self.graph_seqs[3, :seqs].view(torch.float32)
-        # kept like graph_logits, and read before the next replay (the host copy, the next
-        # step's input ids)
-        self.graph_samples[shape] = self.sampler(self.graph_logits[shape], temperatures, self.graph_seqs[2, :seqs])[0]
+        tokens = self.sampler(self.graph_logits[shape], temperatures, self.graph_seqs[2, :seqs])[0]
+        kernels.publish_tokens(tokens, self.last_tokens, self.sampled_host, self.publish_parity)
 
     def _graph_shape_for(self, step) -> tuple | None:
         num_seqs, num_tokens = len(step["seq_lens"]), len(step["input_ids"])
@@ -519,32 +546,25 @@ class ModelRunner:
         # Padding sequences take one padding row each, the last one all that remain.
         cu = step["cu_seqlens_q"] + [num_tokens + i for i in range(1, pad_seqs)] + [tokens] * (pad_seqs > 0)
         # Padding rows write no cache slot (-1); padding sequences read no keys (seq_len 0).
-        self.graph_tokens[:, :tokens].copy_(self._pinned([step["input_ids"] + [0] * pad_tokens,
-                                                          step["positions"] + [0] * pad_tokens,
-                                                          step["slot_mapping"] + [-1] * pad_tokens], torch.long),
-                                            non_blocking=True)
-        per_seq = [step["seq_lens"] + [0] * (pad_seqs + 1), cu]
-        if sampled_seqs is not None:  # padding rows draw greedily with seed 0
+        token_rows = [step["input_ids"] + [0] * pad_tokens, step["positions"] + [0] * pad_tokens,
+                      step["slot_mapping"] + [-1] * pad_tokens]
+        seq_rows = [step["seq_lens"] + [0] * (pad_seqs + 1), cu]
+        if sampled_seqs is None:
+            seq_rows += [[0] * (seqs + 1)] * 2
+        else:  # padding rows draw greedily with seed 0
             temperatures = _temperatures(sampled_seqs) + [0.0] * (pad_seqs + 1)
-            per_seq += [[self._noise_seed(s) for s in sampled_seqs] + [0] * (pad_seqs + 1),
-                        list(struct.unpack(f"{len(temperatures)}i", struct.pack(f"{len(temperatures)}f", *temperatures)))]
-        self.graph_seqs[:len(per_seq), :seqs + 1].copy_(self._pinned(per_seq, torch.int32), non_blocking=True)
-        if step["deferred"]:
-            self._fill_graph_deferred(step["deferred"])
-        tables = step["block_tables"]
-        self.graph_inputs["block_tables"][:num_seqs, :len(tables[0])].copy_(self._pinned(tables, torch.int32),
-                                                                            non_blocking=True)
+            seq_rows += [[self._noise_seed(s) for s in sampled_seqs] + [0] * (pad_seqs + 1),
+                         list(struct.unpack(f"{len(temperatures)}i", struct.pack(f"{len(temperatures)}f", *temperatures)))]
+        values = kernels.staged_values(token_rows, seq_rows, step["block_tables"])
+        slot = self._staged % 2
+        if self.workers:  # the replay two back has read it; it never ends if a rank is gone
+            self.workers.wait_event(self._staged_events[slot])
+        self._staged_events[slot].synchronize()
+        self._staging_slots[slot, :len(values)] = values
         self.graphs[shape].replay()
+        self._staged_events[slot].record()
+        self._staged += 1
         return self.graph_output[:num_tokens]
-
-    def _fill_graph_deferred(self, deferred: list[int]) -> None:
-        """_fill_deferred into the graph's input ids; one device copy when rows 0..n-1 take
-        samples 0..n-1, a decode batch in the last step's order."""
-        count = len(deferred) // 2
-        if deferred == [*range(count), *range(count)]:
-            self.graph_inputs["input_ids"][:count].copy_(self._last_tokens[:count])
-        else:
-            self._fill_deferred(self.graph_inputs["input_ids"], self._to_device(deferred, torch.long))
 
     def memory_stats(self) -> dict:
         stats = {"kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}

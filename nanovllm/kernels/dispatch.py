@@ -37,6 +37,8 @@ _TRITON_MODULES = {
     "small_batch_linear": "gemv",
     "norm_linear": "gemv",
     "act_linear": "gemv",
+    "stage_inputs": "staging",
+    "publish_tokens": "staging",
 }
 
 

@@ -236,3 +236,23 @@ def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, slidin
     out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None], gather(k_cache), gather(v_cache),
                                          attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
     return out[:, :, 0].masked_fill((seq_lens == 0)[:, None, None], 0).to(q.dtype)
+
+
+def stage_inputs(slots, parity, samples, token_rows, seq_rows, block_tables, num_tokens, num_seqs) -> None:
+    slot = slots[int(parity)].to(token_rows.device, torch.int64)
+    table_rows, width = int(slot[0]), max(int(slot[1]), 1)
+    tokens_end = 2 + 3 * num_tokens
+    seqs_end = tokens_end + 4 * (num_seqs + 1)
+    tokens = slot[2:tokens_end].view(3, num_tokens).clone()
+    deferred = tokens[0] < 0
+    tokens[0] = torch.where(deferred, samples[torch.where(deferred, -1 - tokens[0], 0)], tokens[0])
+    token_rows[:, :num_tokens] = tokens
+    seq_rows[:, :num_seqs + 1] = slot[tokens_end:seqs_end].view(4, num_seqs + 1)
+    block_tables[:table_rows, :width] = slot[seqs_end:seqs_end + table_rows * width].view(table_rows, width)
+    parity.copy_(1 - parity)
+
+
+def publish_tokens(tokens, last, host_slots, parity) -> None:
+    last[:tokens.shape[0]] = tokens
+    host_slots[int(parity), :tokens.shape[0]] = tokens
+    parity.copy_(1 - parity)

@@ -44,25 +44,26 @@ def _event(cat, name, ts, dur):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
 
-def test_a_trace_is_cut_at_the_token_copies():
-    """Two steps framed by three token copies; in the first, kernel b starts before a ends
-    (programmatic dependent launch) and a 5 us gap precedes c."""
+def test_a_trace_is_cut_where_the_tokens_go_out():
+    """Two steps framed by three kernels publishing tokens; in the first, kernel b starts
+    before a ends (programmatic dependent launch) and a 5 us gap precedes c."""
+    out = bench_latency.TOKENS_OUT
     trace = {"traceEvents": [
-        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 0, 1),
+        _event("kernel", out, 0, 1),
         _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3, 1),
         _event("kernel", "a", 4, 10),
         _event("kernel", "b", 12, 4),
         _event("cpu_op", "aten::linear", 0, 100),  # host events are not GPU activity
         _event("kernel", "c", 21, 2),
-        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 23, 1),
+        _event("kernel", out, 23, 1),
         _event("kernel", "a", 24, 10),
-        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 34, 2),
+        _event("kernel", out, 34, 2),
     ]}
     first, second = bench_latency.decode_steps(bench_latency.gpu_activity(trace))
-    assert (first["step_us"], first["kernels"], first["kernel_us"]) == (23, 3, 16)
-    assert first["busy_us"] == 1 + 12 + 2 + 1  # the copy, a and b together, c, the token copy
+    assert (first["step_us"], first["kernels"], first["kernel_us"]) == (23, 4, 17)
+    assert first["busy_us"] == 1 + 12 + 2 + 1  # the copy, a and b together, c, the tokens' kernel
     assert first["gap_us"] == 23 - 16 and first["gaps"] == 2
     assert first["largest_gaps"][0] == {"us": 5, "after": "b", "before": "c"}
     assert first["largest_gaps"][1]["after"] == "(previous step)"
-    assert first["kernel_us_by_name"] == {"a": 10, "b": 4, "c": 2}
-    assert (second["step_us"], second["kernels"], second["gap_us"]) == (12, 1, 0)
+    assert first["kernel_us_by_name"] == {"a": 10, "b": 4, "c": 2, out: 1}
+    assert (second["step_us"], second["kernels"], second["gap_us"]) == (12, 2, 0)

@@ -29,7 +29,6 @@ from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 LOGITS_IN_GRAPH_MAX_ROWS = 16
-SAMPLING_GRAPH_MAX_SEQS = 1
 
 
 class SampledTokens:
@@ -114,7 +113,8 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[tuple, torch.Tensor] = {}  # the LM head's output of small decode graphs
-        # Graphs sampling graph_logits without filters or log-probabilities, publishing the tokens.
+        # Twins of the graphs with the LM head that also draw (without filters or
+        # log-probabilities) and publish the tokens.
         self.sample_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.workers: Workers | None = None
         self.closed = False
@@ -350,19 +350,17 @@ class ModelRunner:
         rank 0."""
         shape = self._graph_shape_for(step) if self.graphs else None
         sample_in_graph = shape in self.sample_graphs and _plain_draws(seqs, len(step["seq_lens"]))
-        hidden = self._replay_graph(step, shape, seqs if sample_in_graph else None) if shape else self._run_eager(step)
-        graph_logits = self.graph_logits.get(shape) if shape else None
         sample_rows = step["sample_rows"]
         self._last_logprobs, self._publish_row = None, None
+        row = self._published % 2
+        if sample_rows and self.rank == 0 and self._readers[row] is not None:
+            self._readers[row].settle()  # the tokens two publishes back leave the row first
+        hidden = self._replay_graph(step, shape, seqs if sample_in_graph else None) if shape else self._run_eager(step)
         if not sample_rows:
             return
         if self.rank == 0:
-            row = self._published % 2
-            if self._readers[row] is not None:  # the tokens two publishes back leave the row first
-                self._readers[row].settle()
-            if sample_in_graph:
-                self.sample_graphs[shape].replay()
-            else:
+            if not sample_in_graph:  # else the graph replayed drew and published them
+                graph_logits = self.graph_logits.get(shape) if shape else None
                 tokens, self._last_logprobs = self._sample(hidden, step, sample_rows, seqs, graph_logits)
                 kernels.publish_tokens(tokens, self.last_tokens, self.sampled_host, self.publish_parity)
             self._published, self._publish_row = self._published + 1, row
@@ -437,17 +435,16 @@ class ModelRunner:
     # of seq_len 0: they read no keys, write no cache slot (-1), and their output is dropped.
     # Decode graphs of up to LOGITS_IN_GRAPH_MAX_ROWS sequences end with the LM head: its
     # launch and the graph boundary before it are a visible share of a small batch's step.
-    # Not with several ranks, where the LM head's gather to rank 0 is a collective. Those of up
-    # to SAMPLING_GRAPH_MAX_SEQS sequences have a sampling graph after them for steps whose rows
-    # all draw without filters or log-probabilities (greedy, temperature, seeds): at one
-    # sequence the host's work sets the step's pace, and the sampler's launches and buffers
-    # were about a third of it (H200, Qwen3-0.6B, 1 x 1,024: 0.711 -> 0.694 ms a step). Where
-    # the GPU sets the pace the second graph's launch costs more than it saves (4 x 1,024:
-    # 1.053 -> 1.085 ms; 16 x 1,024: 1.606 -> 1.620).
+    # Not with several ranks, where the LM head's gather to rank 0 is a collective. Each of them
+    # has a twin in sample_graphs that also draws, for steps whose rows all draw without
+    # filters or log-probabilities (greedy, temperature, seeds): the sampler's launches, its
+    # buffers and the seeds' and temperatures' copies leave the step (H200, Qwen3-0.6B, 1,024
+    # tokens: 1 x 0.677 -> 0.674 ms, 4 x 1.035 -> 1.028, 16 x 1.615 -> 1.606, against eager
+    # draws after the graph or, at one sequence, a graph of the draw alone).
     # A graph's first kernel stages its inputs from pinned memory the host wrote
-    # (kernels.stage_inputs) and the sampling graph publishes its tokens into pinned memory:
-    # no copy-engine transfer between the steps' kernels (H200, Qwen3-0.6B, 1 x 1,024: 0.694
-    # -> 0.677 ms a step with both, against copies before the replay and after the draw).
+    # (kernels.stage_inputs), and the draw's last kernel publishes the tokens into pinned
+    # memory: no copy-engine transfer between the steps' kernels (H200, Qwen3-0.6B, 1 x 1,024:
+    # 0.694 -> 0.677 ms a step with both, against copies before the replay and after the draw).
     def _capture_graphs(self) -> None:
         max_bs = min(self.config.max_num_seqs, 512)
         decode = [(b, b, 1) for b in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}) if b <= max_bs]
@@ -482,14 +479,20 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             self._graph_forward(shape)  # compiles kernels and settles allocations outside capture
             with torch.cuda.graph(graph, pool):
-                self._graph_forward(shape)
+                logits = self._graph_forward(shape)
             pool = graph.pool()
             self.graphs[shape] = graph
-            if sampling_graphs and shape in self.graph_logits and shape[1] <= SAMPLING_GRAPH_MAX_SEQS:
-                self._graph_sample(shape)
+            if logits is None:
+                continue
+            # Kept alive, so no later capture reuses its memory in the graphs' shared pool; graphs
+            # captured before it may use that memory for their intermediates, so it is read (by
+            # the sampler, on the same stream) before the next replay.
+            self.graph_logits[shape] = logits
+            if sampling_graphs:
+                self._graph_sample(shape, logits)  # the sampler's kernels, compiled outside capture
                 self.sample_graphs[shape] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.sample_graphs[shape], pool):
-                    self._graph_sample(shape)
+                    self._graph_sample(shape, self._graph_forward(shape))
         self._synchronize()
         reset_context()
         # the runs before each capture staged and published: both counts start again
@@ -507,7 +510,8 @@ class ModelRunner:
         self._synchronize()  # the run before may still read them
         self._staging_slots[:, :len(values)] = values
 
-    def _graph_forward(self, shape) -> None:
+    def _graph_forward(self, shape) -> torch.Tensor | None:
+        """The forward pass of a graph of `shape`; the LM head's logits where it ends with it."""
         tokens, seqs, max_seqlen_q = shape
         g = self.graph_inputs
         kernels.stage_inputs(self.staging, self.staging_parity, self.last_tokens, self.graph_tokens, self.graph_seqs,
@@ -517,15 +521,13 @@ class ModelRunner:
                     max_seqlen_q=max_seqlen_q)
         self.graph_output[:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
         if max_seqlen_q == 1 and tokens <= LOGITS_IN_GRAPH_MAX_ROWS and self.tp_size == 1:
-            # Kept alive, so no later capture reuses its memory in the graphs' shared pool; graphs
-            # captured before it may use that memory for their intermediates, so it is read (by
-            # the sampler, on the same stream) before the next replay.
-            self.graph_logits[shape] = self.model.compute_logits(self.graph_output[:tokens])
+            return self.model.compute_logits(self.graph_output[:tokens])
+        return None
 
-    def _graph_sample(self, shape) -> None:
+    def _graph_sample(self, shape, logits: torch.Tensor) -> None:
         seqs = shape[1]
         temperatures = self.graph_seqs[3, :seqs].view(torch.float32)
-        tokens = self.sampler(self.graph_logits[shape], temperatures, self.graph_seqs[2, :seqs])[0]
+        tokens = self.sampler(logits, temperatures, self.graph_seqs[2, :seqs])[0]
         kernels.publish_tokens(tokens, self.last_tokens, self.sampled_host, self.publish_parity)
 
     def _graph_shape_for(self, step) -> tuple | None:
@@ -539,7 +541,8 @@ class ModelRunner:
         return min(fits, default=None)
 
     def _replay_graph(self, step, shape, sampled_seqs=None) -> torch.Tensor:
-        """`sampled_seqs`: the step's sequences when its sampling graph draws their tokens."""
+        """`sampled_seqs`: the step's sequences when the graph replayed is the one that also
+        draws their tokens (sample_graphs)."""
         tokens, seqs, _ = shape
         num_tokens, num_seqs = len(step["input_ids"]), len(step["seq_lens"])
         pad_tokens, pad_seqs = tokens - num_tokens, seqs - num_seqs
@@ -561,7 +564,7 @@ class ModelRunner:
             self.workers.wait_event(self._staged_events[slot])
         self._staged_events[slot].synchronize()
         self._staging_slots[slot, :len(values)] = values
-        self.graphs[shape].replay()
+        (self.graphs if sampled_seqs is None else self.sample_graphs)[shape].replay()
         self._staged_events[slot].record()
         self._staged += 1
         return self.graph_output[:num_tokens]

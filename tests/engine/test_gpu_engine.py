@@ -122,13 +122,14 @@ def test_gemv_matches_cublas_up_to_near_ties(checkpoint, hf_model, monkeypatch, 
 
 
 def test_sampling_graphs_draw_the_eager_samplers_tokens(checkpoint):
-    """Decode steps of one sequence that draws without filters or log-probabilities take its
-    token from a captured sampling graph; the same engine without those graphs samples the same
-    logits eagerly. Seeded temperature rows and a greedy one give equal tokens; rows with a
-    filter or log-probabilities never take the graph."""
+    """Decode steps whose sequences draw without filters or log-probabilities take their
+    tokens from a captured graph that also samples; the same engine without those graphs
+    samples the same logits eagerly. Seeded temperature rows and a greedy one give equal
+    tokens, each sequence alone and the four together; rows with a filter or
+    log-probabilities never take the graph."""
     llm = LLM(str(checkpoint), **{**ENGINE, "dtype": "float32"})
     runner = llm.model_runner
-    assert set(runner.sample_graphs) == {shape for shape in runner.graph_logits if shape[1] == 1} != set()
+    assert set(runner.sample_graphs) == set(runner.graph_logits) != set()
     common = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = [SamplingParams(temperature=0.8, seed=1, **common), SamplingParams(temperature=0, **common),
              SamplingParams(temperature=1.3, seed=2, **common), SamplingParams(temperature=0.5, seed=3, **common)]
@@ -138,18 +139,20 @@ def test_sampling_graphs_draw_the_eager_samplers_tokens(checkpoint):
                 SamplingParams(temperature=0.7, seed=7, logprobs=2, **common)]
     replays, replay = [], torch.cuda.CUDAGraph.replay
 
-    def run(params) -> tuple[list[list[int]], int]:
-        """(each prompt's tokens, generated alone; replays of sampling graphs)"""
+    def run(params) -> tuple[list[list[int]], list[list[int]], int]:
+        """(each prompt's tokens, generated alone; generated together; replays of the graphs
+        that draw)"""
         replays.clear()
-        tokens = [llm.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p, sp in zip(PROMPTS, params)]
-        return tokens, sum(any(g is graph for graph in runner.sample_graphs.values()) for g in replays)
+        alone = [llm.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p, sp in zip(PROMPTS, params)]
+        together = [out["token_ids"] for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+        return alone, together, sum(any(g is graph for graph in runner.sample_graphs.values()) for g in replays)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(graph) or replay(graph))
-        (plain_tokens, plain_draws), (filtered_tokens, filtered_draws) = run(plain), run(filtered)
-        assert plain_draws >= len(PROMPTS) * (MAX_TOKENS - 1) and filtered_draws == 0
+        plain_runs, filtered_runs = run(plain), run(filtered)
+        assert plain_runs[2] >= (len(PROMPTS) + 1) * (MAX_TOKENS - 1) and filtered_runs[2] == 0
         runner.sample_graphs.clear()
-        assert run(plain) == (plain_tokens, 0) and run(filtered) == (filtered_tokens, 0)
+        assert run(plain) == (*plain_runs[:2], 0) and run(filtered) == (*filtered_runs[:2], 0)
 
 
 def test_fp32_logprobs_match_transformers(checkpoint, hf_model):

@@ -35,7 +35,7 @@ class SampledTokens:
     """Token ids sampled on the device, on their way to the host: kernels.publish_tokens stores
     them into `host`, a row of pinned memory, and the log-probabilities the rows asked for come
     by one non-blocking copy into pinned memory. With `on_gpu`, both are read once an event
-    recorded after them has passed, waited for through `wait` (given the event) when set.
+    recorded after them has passed, waited for by `wait` (given the event).
     `logprobs`: None when no row asked, else the float32 tensor _pack_logprobs made;
     `num_logprobs`: each row's SamplingParams.logprobs."""
 
@@ -57,9 +57,7 @@ class SampledTokens:
         if self._tokens is not None:
             return
         if self._ready is not None:
-            if self._wait is not None:
-                self._wait(self._ready)
-            self._ready.synchronize()
+            self._wait(self._ready)
         self._tokens = [] if self._host is None else self._host.tolist()
 
     def logprobs(self, tokens: list[int]) -> list[dict[int, float] | None] | None:
@@ -278,8 +276,15 @@ class ModelRunner:
         if self.workers:
             event = torch.cuda.Event()
             event.record()
-            self.workers.wait_event(event)
+            self._wait_for(event)
         torch.cuda.synchronize()
+
+    def _wait_for(self, event: torch.cuda.Event) -> None:
+        """event.synchronize(), watching the other ranks meanwhile: the collectives of a step
+        whose rank is gone never end."""
+        if self.workers:
+            self.workers.wait_event(event)
+        event.synchronize()
 
     # --- one step -------------------------------------------------------------------------
     def _to_device(self, values, dtype) -> torch.Tensor:
@@ -338,7 +343,7 @@ class ModelRunner:
         num_logprobs = None if self._last_logprobs is None else [seq.params.logprobs for seq in seqs]
         row = self._publish_row
         sampled = SampledTokens(None if row is None else self.sampled_host[row, :len(seqs)], self.pin,
-                                self.workers.wait_event if self.workers else None, self._last_logprobs, num_logprobs)
+                                self._wait_for, self._last_logprobs, num_logprobs)
         if row is not None:
             self._readers[row] = sampled
         return sampled
@@ -460,8 +465,8 @@ class ModelRunner:
         self.graph_seqs = torch.zeros(4, max_seqs + 1, dtype=torch.int32, device=device)
         # Two slots of pinned memory, a replay's staged inputs in one while the host writes the
         # other; the event after each replay says when its slot is free again.
-        used = 2 + 3 * max_tokens + 4 * (max_seqs + 1) + max_seqs * self.max_blocks_per_seq
-        self.staging = torch.zeros(2, max(used, kernels.STAGE_SLOT_MIN), dtype=torch.int32, pin_memory=True)
+        capacity = kernels.staged_length(max_tokens, max_seqs, max_seqs * self.max_blocks_per_seq)
+        self.staging = torch.zeros(2, capacity, dtype=torch.int32, pin_memory=True)
         self._staging_slots = self.staging.numpy()
         self.staging_parity = torch.zeros(1, dtype=torch.int32, device=device)
         self._staged_events = [torch.cuda.Event(), torch.cuda.Event()]
@@ -560,9 +565,7 @@ class ModelRunner:
                          list(struct.unpack(f"{len(temperatures)}i", struct.pack(f"{len(temperatures)}f", *temperatures)))]
         values = kernels.staged_values(token_rows, seq_rows, step["block_tables"])
         slot = self._staged % 2
-        if self.workers:  # the replay two back has read it; it never ends if a rank is gone
-            self.workers.wait_event(self._staged_events[slot])
-        self._staged_events[slot].synchronize()
+        self._wait_for(self._staged_events[slot])  # the replay two back has read it
         self._staging_slots[slot, :len(values)] = values
         (self.graphs if sampled_seqs is None else self.sample_graphs)[shape].replay()
         self._staged_events[slot].record()

@@ -18,7 +18,7 @@ __all__ = [
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
     "qk_norm_rope_attention",
     "sample", "small_batch_linear", "linear", "norm_linear", "act_linear", "GEMV_MAX_ROWS",
-    "staged_values", "stage_inputs", "publish_tokens", "STAGE_SLOT_MIN",
+    "staged_values", "staged_length", "stage_inputs", "publish_tokens", "STAGE_SLOT_MIN",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -418,6 +418,12 @@ def staged_values(token_rows: list[list[int]], seq_rows: list[list[int]], block_
     equal width."""
     width = len(block_tables[0]) if block_tables else 0
     return [len(block_tables), width, *itertools.chain(*token_rows, *seq_rows, *block_tables)]
+
+
+def staged_length(num_tokens: int, num_seqs: int, table_values: int) -> int:
+    """The columns a slot needs for steps of up to these sizes (staged_values' values, at least
+    STAGE_SLOT_MIN)."""
+    return max(2 + 3 * num_tokens + 4 * (num_seqs + 1) + table_values, STAGE_SLOT_MIN)
 
 
 def stage_inputs(slots: torch.Tensor, parity: torch.Tensor, samples: torch.Tensor, token_rows: torch.Tensor,

@@ -69,6 +69,8 @@ def test_stages_a_step_from_either_slot(place, num_tokens, num_seqs, table_rows,
     inputs = _inputs(device, num_tokens, num_seqs, width)
     steps = [_step(rng, num_tokens, num_seqs, table_rows, width, len(samples)) for _ in range(3)]
     values = [kernels.staged_values(*step) for step in steps]
+    needed = max(len(values[0]), kernels.STAGE_SLOT_MIN)
+    assert kernels.staged_length(num_tokens, num_seqs, table_rows * width) == needed
     slots = torch.full((2, max(kernels.STAGE_SLOT_MIN, max(map(len, values)) + 11)), SENTINEL, dtype=torch.int32,
                        pin_memory=device == "cuda")
     parity = torch.zeros(1, dtype=torch.int32, device=device)

@@ -376,10 +376,11 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, step, sample_rows: list[int],
                 graph_logits: torch.Tensor | None = None) -> torch.Tensor | None:
-        """`graph_logits`: the replayed decode graph's LM head output, if it has one."""
+        """`hidden`: None after a decode graph that ends with the LM head, whose output is
+        `graph_logits` (a decode step samples every row)."""
+        if hidden is None:
+            return graph_logits[:len(sample_rows)]
         last_rows = [step["cu_seqlens_q"][row + 1] - 1 for row in sample_rows]
-        if graph_logits is not None and len(last_rows) == hidden.shape[0]:  # a decode graph's rows, all sampled
-            return graph_logits[:len(last_rows)]
         if len(last_rows) < hidden.shape[0]:  # a decode step samples every row: no gather needed
             hidden = hidden[self._to_device(last_rows, torch.long)]
         return self.model.compute_logits(hidden)
@@ -524,9 +525,11 @@ class ModelRunner:
         set_context(cu_seqlens_q=g["cu_seqlens_q"][:seqs + 1], seq_lens=g["seq_lens"][:seqs],
                     block_tables=g["block_tables"][:seqs], slot_mapping=g["slot_mapping"][:tokens],
                     max_seqlen_q=max_seqlen_q)
-        self.graph_output[:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
+        hidden = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
         if max_seqlen_q == 1 and tokens <= LOGITS_IN_GRAPH_MAX_ROWS and self.tp_size == 1:
-            return self.model.compute_logits(self.graph_output[:tokens])
+            # The hidden states stay inside: a copy out would be one more kernel in the step.
+            return self.model.compute_logits(hidden)
+        self.graph_output[:tokens] = hidden
         return None
 
     def _graph_sample(self, shape, logits: torch.Tensor) -> None:
@@ -545,9 +548,10 @@ class ModelRunner:
             return None
         return min(fits, default=None)
 
-    def _replay_graph(self, step, shape, sampled_seqs=None) -> torch.Tensor:
-        """`sampled_seqs`: the step's sequences when the graph replayed is the one that also
-        draws their tokens (sample_graphs)."""
+    def _replay_graph(self, step, shape, sampled_seqs=None) -> torch.Tensor | None:
+        """The step's hidden states, None where the graph ends with the LM head (graph_logits).
+        `sampled_seqs`: the step's sequences when the graph replayed is the one that also draws
+        their tokens (sample_graphs)."""
         tokens, seqs, _ = shape
         num_tokens, num_seqs = len(step["input_ids"]), len(step["seq_lens"])
         pad_tokens, pad_seqs = tokens - num_tokens, seqs - num_seqs
@@ -570,7 +574,7 @@ class ModelRunner:
         (self.graphs if sampled_seqs is None else self.sample_graphs)[shape].replay()
         self._staged_events[slot].record()
         self._staged += 1
-        return self.graph_output[:num_tokens]
+        return None if shape in self.graph_logits else self.graph_output[:num_tokens]
 
     def memory_stats(self) -> dict:
         stats = {"kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}

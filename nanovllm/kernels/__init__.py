@@ -17,7 +17,7 @@ __all__ = [
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
     "qk_norm_rope_attention",
-    "sample", "small_batch_linear", "linear", "norm_linear", "act_linear", "GEMV_MAX_ROWS",
+    "sample", "small_batch_linear", "linear", "norm_linear", "embed_norm_linear", "act_linear", "GEMV_MAX_ROWS",
     "staged_values", "staged_length", "stage_inputs", "publish_tokens", "STAGE_SLOT_MIN",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
@@ -25,7 +25,7 @@ _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.f
 _INDEX_DTYPES = frozenset((torch.int32, torch.int64))
 _GEMV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 GEMV_MAX_ROWS = 16  # nanovllm.kernels.gemv.MAX_ROWS, without importing Triton here
-GEMV_ROW_MAX_ROWS = 2  # nanovllm.kernels.gemv.ROW_MAX_ROWS: where norm_linear and act_linear fuse
+GEMV_ROW_MAX_ROWS = 2  # nanovllm.kernels.gemv.ROW_MAX_ROWS: where norm_linear, embed_norm_linear and act_linear fuse
 # Values of a staging slot that stage_inputs reads before it knows which slot is the step's: a
 # slot holds at least this many.
 STAGE_SLOT_MIN = 256
@@ -346,9 +346,10 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return implementation("small_batch_linear", x.device)(x, weight, bias, prefetch)
 
 
-def _few_rows_on_gemv(x: torch.Tensor) -> bool:
+def _few_rows_on_gemv(x: torch.Tensor, rows: int | None = None) -> bool:
+    """x's rows (`rows` where x is not the input itself) go to the row kernel."""
     return (gemv_enabled and x.is_cuda and x.dtype in _GEMV_DTYPES
-            and x.numel() <= GEMV_ROW_MAX_ROWS * x.shape[-1])
+            and (x.numel() <= GEMV_ROW_MAX_ROWS * x.shape[-1] if rows is None else rows <= GEMV_ROW_MAX_ROWS))
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -376,6 +377,36 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     else:
         normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias, prefetch), residual
+
+
+def embed_norm_linear(input_ids: torch.Tensor, embed_weight: torch.Tensor, embed_scale: float | None,
+                      norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      leave_room: bool = False):
+    """A decoder's first norm and projection from its token ids: (linear(rms_norm(e)), e) for
+    e = embed_weight[input_ids], times embed_scale rounded to the table's dtype where that is
+    not None (Gemma). One kernel where one or two ids on CUDA go to the row kernel, which looks
+    their rows up in its prologue (the embedding's own launch leaves small decode steps); else
+    the lookup, then norm_linear. Ids must lie in [0, embed_weight.shape[0]): the kernel reads
+    the rows they name unchecked, and the engine rejects prompts with other ids."""
+    _require(isinstance(input_ids, torch.Tensor) and input_ids.dtype == torch.int64 and input_ids.dim() == 1,
+             "input_ids", "must be a 1-D int64 tensor")
+    _require_float(embed_weight, "embed_weight")
+    _require(embed_weight.dim() == 2, "embed_weight", lambda: f"must be [vocab, K], got shape {tuple(embed_weight.shape)}")
+    _require(input_ids.device == embed_weight.device, "input_ids",
+             lambda: f"device {input_ids.device} differs from embed_weight's {embed_weight.device}")
+    _require(embed_scale is None or isinstance(embed_scale, float), "embed_scale", "must be a float or None")
+    _require_last_dim_vector(embed_weight, norm_weight, "norm_weight")
+    _require_weight(weight, embed_weight.shape[1])
+    _require_linear_operands(embed_weight, weight, bias, None)
+    if _few_rows_on_gemv(embed_weight, input_ids.numel()):
+        fused = implementation("embed_norm_linear", embed_weight.device)(
+            input_ids, embed_weight, embed_scale, norm_weight, eps, weight, bias, leave_room)
+        if fused is not None:
+            return fused
+    embedded = F.embedding(input_ids, embed_weight)
+    if embed_scale is not None:
+        embedded = embedded * embed_scale  # computed in fp32 for half dtypes, then rounded
+    return norm_linear(embedded, None, norm_weight, eps, weight, bias, None, leave_room)
 
 
 _GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu": lambda x: gelu_and_mul(x, "none"),

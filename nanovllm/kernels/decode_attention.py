@@ -130,11 +130,17 @@ def _decode_attention_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_btr
     k_head_ptr = k_cache_ptr + kv_head * stride_kh_cache
     v_head_ptr = v_cache_ptr + kv_head * stride_vh_cache
-    # Before the wait: step metadata is written before the step's kernels run, cached keys by
-    # earlier steps.
+    token = seq.to(tl.int64)
+    # Before the wait: step metadata (the position, its rotary row, the slot) is written before
+    # the step's kernels run, cached keys by earlier steps.
     k1, k2, v1, v2, visible = _key_tile(block_table_row, k_head_ptr, v_head_ptr, lo, first_key, cached_hi, offs_n,
                                         cols, half, stride_btc, stride_kb, stride_kt_cache, stride_vb,
                                         stride_vt_cache, BLOCK_N, BLOCK_SIZE, True)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    # other=0: the padded lanes of a half (head dim 96) enter the dot products
+    cos = tl.load(cos_sin_ptr + position * stride_cs + cols, mask=cols < half, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + position * stride_cs + half + cols, mask=cols < half, other=0.0).to(tl.float32)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int32)
     # Every program waits, even one with nothing to do: were all to leave without waiting, the
     # kernel could finish ahead of its predecessor and release the next kernel too early.
     await_previous_kernel(PDL)
@@ -142,7 +148,6 @@ def _decode_attention_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < GROUP
     head = kv_head * GROUP + rows
-    token = seq.to(tl.int64)
     split_row = _split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
     if lo >= hi:
         # Past the sequence's keys (a short sequence's later splits, a padding sequence with
@@ -150,17 +155,39 @@ def _decode_attention_kernel(
         tl.store(lse_ptr + split_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
         return
 
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    # other=0: the padded lanes of a half (head dim 96) enter the dot products
-    cos = tl.load(cos_sin_ptr + position * stride_cs + cols, mask=cols < half, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + position * stride_cs + half + cols, mask=cols < half, other=0.0).to(tl.float32)
     dtype = q_ptr.dtype.element_ty
     cache_dtype = k_cache_ptr.dtype.element_ty
+    # The split that holds the step's key (the last with keys: new_key >= lo, as lo < hi) loads
+    # it with the query, one round trip for both, and writes it to the cache before its tiles:
+    # no program reads that slot.
+    holds_new = new_key < hi
+    new_rows = (rows >= 0) & holds_new
+    # Every row holds the same kv head's key and value: the score is a row-wise product, no
+    # broadcast of a vector needed.
+    same_head = tl.zeros([BLOCK_M], tl.int64) + kv_head
     q1, q2 = _head_halves(q_ptr + token * stride_qt, head * stride_qh, row_mask, cols, half)
+    k_new1, k_new2 = _head_halves(k_ptr + token * stride_kt, same_head * stride_kh, new_rows, cols, half)
+    v_new1, v_new2 = _head_halves(v_ptr + token * stride_vt, same_head * stride_vh, new_rows, cols, half)
     q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
     # rounded as the unfused path stores the rotated q, then reads it in the cache's dtype
     q1 = q1.to(dtype).to(cache_dtype)
     q2 = q2.to(dtype).to(cache_dtype)
+    k_new1, k_new2 = _norm_rope(k_new1, k_new2, k_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
+    k_new1 = k_new1.to(dtype).to(cache_dtype)
+    k_new2 = k_new2.to(dtype).to(cache_dtype)
+    v_new1 = v_new1.to(cache_dtype)
+    v_new2 = v_new2.to(cache_dtype)
+    # int32 division, int64 products: block * stride exceeds 2^31 elements in large caches
+    block, offset = (slot // BLOCK_SIZE).to(tl.int64), (slot % BLOCK_SIZE).to(tl.int64)
+    # one row stored: the [rows, half] pointers all address it, masked to row 0
+    store_mask = ((rows == 0) & (slot >= 0) & new_rows)[:, None] & (cols < half)[None, :]
+    row_cols = rows[:, None] * 0 + cols[None, :]
+    k_dest = k_head_ptr + block * stride_kb + offset * stride_kt_cache + row_cols
+    v_dest = v_head_ptr + block * stride_vb + offset * stride_vt_cache + row_cols
+    tl.store(k_dest, k_new1, mask=store_mask)
+    tl.store(k_dest + half, k_new2, mask=store_mask)
+    tl.store(v_dest, v_new1, mask=store_mask)
+    tl.store(v_dest + half, v_new2, mask=store_mask)
 
     m_i = tl.zeros([BLOCK_M], tl.float32) - 1.0e30  # finite: see paged attention's kernel
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -184,31 +211,7 @@ def _decode_attention_kernel(
         acc1, acc2, m_i, l_i = _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale,
                                             DOT_PRECISION, True)
 
-    # The split that holds the step's key: the last with keys (new_key >= lo, as lo < hi).
-    if new_key < hi:
-        # Every row holds the same kv head's key and value: the score is a row-wise product,
-        # no broadcast of a vector needed.
-        same_head = tl.zeros([BLOCK_M], tl.int64) + kv_head
-        all_rows = rows >= 0
-        k_new1, k_new2 = _head_halves(k_ptr + token * stride_kt, same_head * stride_kh, all_rows, cols, half)
-        k_new1, k_new2 = _norm_rope(k_new1, k_new2, k_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
-        k_new1 = k_new1.to(dtype).to(cache_dtype)
-        k_new2 = k_new2.to(dtype).to(cache_dtype)
-        v_new1, v_new2 = _head_halves(v_ptr + token * stride_vt, same_head * stride_vh, all_rows, cols, half)
-        v_new1 = v_new1.to(cache_dtype)
-        v_new2 = v_new2.to(cache_dtype)
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int32)
-        # int32 division, int64 products: block * stride exceeds 2^31 elements in large caches
-        block, offset = (slot // BLOCK_SIZE).to(tl.int64), (slot % BLOCK_SIZE).to(tl.int64)
-        # one row stored: the [rows, half] pointers all address it, masked to row 0
-        store_mask = ((rows == 0) & (slot >= 0))[:, None] & (cols < half)[None, :]
-        row_cols = rows[:, None] * 0 + cols[None, :]
-        k_dest = k_head_ptr + block * stride_kb + offset * stride_kt_cache + row_cols
-        v_dest = v_head_ptr + block * stride_vb + offset * stride_vt_cache + row_cols
-        tl.store(k_dest, k_new1, mask=store_mask)
-        tl.store(k_dest + half, k_new2, mask=store_mask)
-        tl.store(v_dest, v_new1, mask=store_mask)
-        tl.store(v_dest + half, v_new2, mask=store_mask)
+    if holds_new:
         score = (tl.sum(q1.to(tl.float32) * k_new1.to(tl.float32), 1)
                  + tl.sum(q2.to(tl.float32) * k_new2.to(tl.float32), 1)) * qk_scale
         m_new = tl.maximum(m_i, score)

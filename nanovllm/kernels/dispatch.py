@@ -36,6 +36,7 @@ _TRITON_MODULES = {
     "sample": "sampling",
     "small_batch_linear": "gemv",
     "norm_linear": "gemv",
+    "embed_norm_linear": "gemv",
     "act_linear": "gemv",
     "stage_inputs": "staging",
     "publish_tokens": "staging",

@@ -167,14 +167,19 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, ne
 
 
 @triton.jit
-def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, row_ok, first_program,
-               PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr):
+def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, embed_scale, row_ok, first_program,
+               PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, SCALED: tl.constexpr):
     """One input row of the GEMV in fp32 (zeros where not row_ok): x's row, or what the
     unfused kernels before it would have stored (rounded to x's dtype as they round it).
     PROLOGUE "norm": rms_norm(x); "add_norm": rms_norm(x + res), the sum stored to res_out by
-    the first program; "act": activation(x[:K]) * x[K:2K]."""
+    the first program; "embed_norm": rms_norm(x) for x an embedding row (times embed_scale
+    where SCALED), which the first program stores to res_out; "act": activation(x[:K]) * x[K:2K]."""
     mask = (cols < K) & row_ok
     x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PROLOGUE == "embed_norm":
+        if SCALED:
+            x = (x * embed_scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(res_out_ptr + cols, x.to(res_out_ptr.dtype.element_ty), mask=mask & first_program)
     if PROLOGUE == "act":
         up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
         x = (activate(x, ACTIVATION) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -182,7 +187,7 @@ def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, row_ok, f
         summed = (x + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
         tl.store(res_out_ptr + cols, summed, mask=mask & first_program)
         x = summed.to(tl.float32)
-    if PROLOGUE == "norm" or PROLOGUE == "add_norm":
+    if PROLOGUE == "norm" or PROLOGUE == "add_norm" or PROLOGUE == "embed_norm":
         inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
         x = (x * inv_rms * norm_weight).to(x_ptr.dtype.element_ty).to(tl.float32)
     return x
@@ -191,14 +196,16 @@ def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, row_ok, f
 @fast_launch
 @triton.jit(do_not_specialize=["M"])
 def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_row_stride,
-                     res_ptr, res_out_ptr, norm_ptr, eps,
+                     res_ptr, res_out_ptr, norm_ptr, eps, ids_ptr, embed_scale,
                      HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, PDL: tl.constexpr):
+                     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     """M <= ROWS rows of x (ROWS a power of two): a program owns BLOCK_N output features and
     all of K, in one BLOCK_K tile loaded before the wait. Products on the CUDA cores and sums
     along K inside the program: no partials, no arrival counter, nothing after the wait but
     the input rows (with their prologue, _row_input), the products and the stores. res and
-    res_out rows are K apart. No L2 prefetch of the next weight: the next kernel's programs
+    res_out rows are K apart. With the "embed_norm" prologue, row m of the input is row
+    ids[m] of x (an embedding table), read after the wait: the kernel before writes the ids.
+    No L2 prefetch of the next weight: the next kernel's programs
     read theirs before their own wait, and the prefetch only added traffic (H200, batch 1 at
     1k context: 0.772 -> 0.736 ms a step without it)."""
     tile = tl.program_id(0)
@@ -207,7 +214,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_r
     w = tl.load(w_ptr + features.to(tl.int64)[:, None] * w_row_stride + cols[None, :],
                 mask=(features < N)[:, None] & (cols < K)[None, :], other=0.0)
     norm_weight = 1.0
-    if PROLOGUE == "norm" or PROLOGUE == "add_norm":
+    if PROLOGUE == "norm" or PROLOGUE == "add_norm" or PROLOGUE == "embed_norm":
         norm_weight = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     bias = 0.0
     if HAS_BIAS:
@@ -215,8 +222,11 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_r
     await_previous_kernel(PDL)
     w = w.to(tl.float32)
     for m in tl.static_range(ROWS):
-        x = _row_input(x_ptr + m * x_row_stride, cols, K, res_ptr + m * K, res_out_ptr + m * K, norm_weight, eps,
-                       m < M, tile == 0, PROLOGUE, ACTIVATION)
+        row = m
+        if PROLOGUE == "embed_norm":
+            row = tl.load(ids_ptr + m, mask=m < M, other=0)
+        x = _row_input(x_ptr + row * x_row_stride, cols, K, res_ptr + m * K, res_out_ptr + m * K, norm_weight, eps,
+                       embed_scale, m < M, tile == 0, PROLOGUE, ACTIVATION, SCALED)
         acc = tl.sum(w * x[None, :], axis=1) + bias
         tl.store(out_ptr + m * N + features, acc.to(out_ptr.dtype.element_ty), mask=(features < N) & (m < M))
 
@@ -304,20 +314,23 @@ def row_config(n: int, k: int, element_size: int, device_index: int) -> tuple[in
 
 def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prologue: str = "none", residual=None,
                 residual_out=None, norm_weight=None, eps: float = 0.0, activation: str = "silu",
-                leave_room: bool = False) -> None:
+                leave_room: bool = False, ids=None, embed_scale: float | None = None) -> None:
     """x: ROW_MAX_ROWS rows at most, with unit stride ([M, 2K] for the "act" prologue, else
-    [M, K]); residual and residual_out contiguous [M, K]."""
+    [M, K]), or for "embed_norm" the embedding table whose rows `ids` (M int64) names;
+    residual and residual_out contiguous [M, K]."""
     n, k = weight.shape
     programs, device = cdiv(n, block_n), x.get_device()
+    rows = x.shape[0] if ids is None else ids.numel()
     capped = leave_room and programs <= _ROW_PROGRAMS_PER_SM_CAP * _sm_count(device)
     cap = occupancy_cap(device, _ROW_PROGRAMS_PER_SM_CAP) if capped else {}
     _gemv_row_kernel[(programs,)](
-        x, weight, out if bias is None else bias, out, x.shape[0], n, k, x.stride(0), weight.stride(0),
+        x, weight, out if bias is None else bias, out, rows, n, k, x.stride(0), weight.stride(0),
         x if residual is None else residual, x if residual_out is None else residual_out,
-        out if norm_weight is None else norm_weight, eps,
-        HAS_BIAS=bias is not None, ROWS=next_power_of_2(x.shape[0]), BLOCK_N=block_n, BLOCK_K=block_k,
-        PROLOGUE=prologue, ACTIVATION=activation, num_warps=_ROW_WARPS, num_stages=1,
-        **dependent_launch(device), **cap)
+        out if norm_weight is None else norm_weight, eps, out if ids is None else ids,
+        1.0 if embed_scale is None else embed_scale,
+        HAS_BIAS=bias is not None, ROWS=next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+        PROLOGUE=prologue, ACTIVATION=activation, SCALED=embed_scale is not None, num_warps=_ROW_WARPS,
+        num_stages=1, **dependent_launch(device), **cap)
 
 
 def _row_block(x: torch.Tensor, n: int, k: int) -> tuple[int, int] | None:
@@ -367,6 +380,22 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None,
                 None if residual is None else residual.reshape(-1, k).contiguous(), residual_out,
                 norm_weight.contiguous(), eps, leave_room=leave_room)
     return out, residual_out
+
+
+def embed_norm_linear(input_ids, embed_weight, embed_scale, norm_weight, eps, weight, bias=None, leave_room=False):
+    """kernels.embed_norm_linear in one launch of the row kernel, or None where it does not
+    serve (_prologue_block); `leave_room` as in norm_linear."""
+    n, k = weight.shape
+    embedded = torch.empty((input_ids.numel(), k), dtype=embed_weight.dtype, device=embed_weight.device)
+    block = _prologue_block(embedded, n, k, k * embedded.element_size())
+    if block is None or embed_weight.stride(1) != 1:
+        return None
+    out = torch.empty((input_ids.numel(), n), dtype=embed_weight.dtype, device=embed_weight.device)
+    weight, bias = _unit_stride(weight, bias)
+    _launch_row(embed_weight, weight, bias, out, *block, "embed_norm", residual_out=embedded,
+                norm_weight=norm_weight.contiguous(), eps=eps, leave_room=leave_room, ids=input_ids.contiguous(),
+                embed_scale=embed_scale)
+    return out, embedded
 
 
 def act_linear(x, weight, bias=None, prefetch=None, activation="silu"):

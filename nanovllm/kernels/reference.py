@@ -60,6 +60,13 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None,
     return small_batch_linear(normed, weight, bias), residual
 
 
+def embed_norm_linear(input_ids, embed_weight, embed_scale, norm_weight, eps, weight, bias=None, leave_room=False):
+    embedded = F.embedding(input_ids, embed_weight)
+    if embed_scale is not None:
+        embedded = (embedded.to(_compute_dtype(embedded)) * embed_scale).to(embedded.dtype)
+    return norm_linear(embedded, None, norm_weight, eps, weight, bias)
+
+
 def act_linear(x, weight, bias=None, prefetch=None, activation="silu"):
     gated = silu_and_mul(x) if activation == "silu" else gelu_and_mul(x, "tanh" if activation == "gelu_tanh" else "none")
     return small_batch_linear(gated, weight, bias)

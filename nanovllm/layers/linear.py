@@ -77,6 +77,14 @@ class ColumnParallelLinear(LinearBase):
         return kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, self._next_weight(),
                                    self.leave_room)
 
+    def embedded_forward(self, input_ids: torch.Tensor, embed_weight: torch.Tensor, embed_scale: float | None,
+                         norm: nn.Module):
+        """normed_forward of embed_weight's rows for input_ids (times embed_scale where given),
+        without a residual: the lookup fused into the projection's kernel in decode steps of one
+        or two sequences (kernels.embed_norm_linear). For an embedding held whole by this rank."""
+        return kernels.embed_norm_linear(input_ids, embed_weight, embed_scale, norm.weight, norm.eps, self.weight,
+                                         self.bias, self.leave_room)
+
 
 class RowParallelLinear(LinearBase):
     """Splits the input dimension; every rank's partial sums are all-reduced. The bias is added

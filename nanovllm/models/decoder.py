@@ -65,6 +65,11 @@ class DecoderLayer(nn.Module):
         # Each norm runs with the projection after it: one kernel in decode steps of one or two
         # sequences (kernels.norm_linear).
         qkv, residual = self.self_attn.qkv_proj.normed_forward(hidden_states, self.input_layernorm, residual)
+        return self.from_qkv(positions, qkv, residual)
+
+    def from_qkv(self, positions, qkv, residual):
+        """The layer after its qkv projection (the model's first layer computes that projection
+        from the token ids)."""
         hidden_states = self.self_attn(positions, qkv)
         gate_up, residual = self.mlp.gate_up_proj.normed_forward(hidden_states, self.post_attention_layernorm,
                                                                 residual)
@@ -84,17 +89,24 @@ class DecoderModel(nn.Module):
         for current, following in zip(projections, projections[1:]):
             current.read_ahead(following)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)
-        scale = None
+        self.embed_scale = None
         if options.embed_scale is not None:
             # Rounded as transformers rounds it: to fp32, then to the model's dtype.
-            scale = torch.tensor(options.embed_scale, dtype=torch.float32).to(self.embed_tokens.weight.dtype)
-        self.register_buffer("embed_scale", scale, persistent=False)
+            self.embed_scale = torch.tensor(options.embed_scale, dtype=torch.float32, device="cpu").to(
+                self.embed_tokens.weight.dtype).item()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        if self.embed_scale is not None:
-            hidden_states = hidden_states * self.embed_scale
-        for layer in self.layers:
+        first = self.layers[0]
+        if self.embed_tokens.tp_size == 1:  # the lookup inside the first projection's kernel, where it fuses
+            qkv, residual = first.self_attn.qkv_proj.embedded_forward(input_ids, self.embed_tokens.weight,
+                                                                      self.embed_scale, first.input_layernorm)
+            hidden_states, residual = first.from_qkv(positions, qkv, residual)
+        else:
+            hidden_states = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                hidden_states = hidden_states * self.embed_scale
+            hidden_states, residual = first(positions, hidden_states, None)
+        for layer in self.layers[1:]:
             hidden_states, residual = layer(positions, hidden_states, residual)
         return self.norm(hidden_states, residual)[0]
 

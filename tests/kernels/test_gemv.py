@@ -1,7 +1,8 @@
 """small_batch_linear (nanovllm/kernels/gemv.py) against F.linear in float64, on each of its
 paths (one or two rows: a program a few features of all of K; more: one program per feature
 tile, or split-K with the last program reducing), kernels.linear's choice between it and
-F.linear, and the norm and activation fused into the row kernel (norm_linear, act_linear).
+F.linear, and the norm, the embedding lookup and the activation fused into the row kernel
+(norm_linear, embed_norm_linear, act_linear).
 Tolerances: kernel_testing.TOLERANCE."""
 from pathlib import Path
 
@@ -336,6 +337,73 @@ def test_norm_linear_in_the_row_kernel(device, dtype, rows, n, k, with_residual)
         assert torch.equal(x, x_before)
         if residual is None:
             assert new_residual is x
+
+
+def _embed_case(vocab, n, k, dtype, device):
+    table = randn(vocab, k, dtype=dtype, device=device)
+    norm_weight = torch.rand(k, device=device, dtype=dtype) + 0.5
+    weight = randn(n, k, dtype=dtype, device=device) * k ** -0.5
+    return table, norm_weight, weight, randn(n, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("ids", [[40], [0, 40], [7, 7]])
+@pytest.mark.parametrize("embed_scale", [None, 17.875])
+def test_embed_norm_linear_in_the_row_kernel(device, dtype, ids, embed_scale):
+    """One launch: each id's embedding row (scaled and rounded, as Gemma's), its RMSNorm and
+    the projection; the looked-up rows come back as the residual, rounded exactly as the
+    unfused lookup and scaling round them."""
+    require_triton(device)
+    n, k = 130, 300
+    table, norm_weight, weight, bias = _embed_case(41, n, k, dtype, device)
+    input_ids = torch.tensor(ids, device=device)
+    out, embedded = _gemv().embed_norm_linear(input_ids, table, embed_scale, norm_weight, 1e-6, weight, bias)
+    expected, expected_embedded = reference.embed_norm_linear(input_ids, table.double(), embed_scale,
+                                                              norm_weight.double(), 1e-6, weight.double(), bias.double())
+    assert_close(out, expected, dtype)
+    assert_close(embedded, expected_embedded, dtype)
+    if device == "cuda" or dtype == torch.float32:  # the interpreter rounds to bf16 its own way
+        unfused = F.embedding(input_ids, table)
+        assert torch.equal(embedded, unfused if embed_scale is None else unfused * embed_scale)
+
+
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
+def test_embed_norm_linear_declines_and_falls_back(device, dtype):
+    """Three ids or none: the kernel declines and the boundary looks the rows up, then runs
+    norm_linear; the result is the reference's either way."""
+    require_triton(device)
+    table, norm_weight, weight, bias = _embed_case(41, 40, 96, dtype, device)
+    for ids in ([3, 40, 0], []):
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        assert _gemv().embed_norm_linear(input_ids, table, 2.0, norm_weight, 1e-6, weight, bias) is None
+        out, embedded = kernels.embed_norm_linear(input_ids, table, 2.0, norm_weight, 1e-6, weight, bias)
+        expected, expected_embedded = reference.embed_norm_linear(input_ids, table.double(), 2.0, norm_weight.double(),
+                                                                  1e-6, weight.double(), bias.double())
+        assert out.shape == (len(ids), 40) and embedded.shape == (len(ids), 96)
+        if ids:
+            assert_close(out, expected, dtype)
+            assert_close(embedded, expected_embedded, dtype)
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda: kernels.embed_norm_linear(torch.tensor([1], dtype=torch.int32), torch.randn(9, 8), None, torch.ones(8),
+                                       1e-6, torch.randn(3, 8)), "input_ids"),
+    (lambda: kernels.embed_norm_linear(torch.tensor([[1]]), torch.randn(9, 8), None, torch.ones(8), 1e-6,
+                                       torch.randn(3, 8)), "input_ids"),
+    (lambda: kernels.embed_norm_linear(torch.tensor([1]), torch.randn(9), None, torch.ones(9), 1e-6,
+                                       torch.randn(3, 9)), "embed_weight"),
+    (lambda: kernels.embed_norm_linear(torch.tensor([1]), torch.randn(9, 8), torch.tensor(2.0), torch.ones(8), 1e-6,
+                                       torch.randn(3, 8)), "embed_scale"),
+    (lambda: kernels.embed_norm_linear(torch.tensor([1]), torch.randn(9, 8), None, torch.ones(7), 1e-6,
+                                       torch.randn(3, 8)), "norm_weight"),
+    (lambda: kernels.embed_norm_linear(torch.tensor([1]), torch.randn(9, 8), None, torch.ones(8), 1e-6,
+                                       torch.randn(3, 7)), "weight"),
+    (lambda: kernels.embed_norm_linear(torch.tensor([1]), torch.randn(9, 8), None, torch.ones(8), 1e-6,
+                                       torch.randn(3, 8), torch.randn(4)), "bias"),
+])
+def test_embed_norm_linear_bad_arguments_name_the_argument(call, name):
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        call()
 
 
 @pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)

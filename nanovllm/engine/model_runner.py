@@ -374,7 +374,7 @@ class ModelRunner:
         if self.tp_size > 1:
             distributed.broadcast_from_first(self.last_tokens[:len(sample_rows)])
 
-    def _logits(self, hidden: torch.Tensor, step, sample_rows: list[int],
+    def _logits(self, hidden: torch.Tensor | None, step, sample_rows: list[int],
                 graph_logits: torch.Tensor | None = None) -> torch.Tensor | None:
         """`hidden`: None after a decode graph that ends with the LM head, whose output is
         `graph_logits` (a decode step samples every row)."""
@@ -385,7 +385,7 @@ class ModelRunner:
             hidden = hidden[self._to_device(last_rows, torch.long)]
         return self.model.compute_logits(hidden)
 
-    def _sample(self, hidden: torch.Tensor, step, sample_rows: list[int], seqs, graph_logits):
+    def _sample(self, hidden: torch.Tensor | None, step, sample_rows: list[int], seqs, graph_logits):
         """-> (token ids [B], packed log-probabilities or None when no row asks)."""
         logits = self._logits(hidden, step, sample_rows, graph_logits)
         tensors = self._sampling_tensors(seqs)

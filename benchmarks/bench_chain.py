@@ -9,7 +9,7 @@ and divides by the links. A decode step's dependent kernels cost at least this m
 
 Then the same for the kernels of a decoder layer at batch 1, as the engine runs them at one
 sequence (norm_linear for qkv, leaving room for the attention, qk_norm_rope_attention, the o
-projection, norm_linear for gate_up, act_linear for down), Qwen3-0.6B's shape, 28 layers in
+projection, norm_linear for gate_up with its activation, the down projection), Qwen3-0.6B's shape, 28 layers in
 one graph, one sequence of 1,024 keys in blocks of 128. Once with every layer's own weights,
 once with all layers reading layer 0's, which then stay in the L2 cache: the difference is
 what streaming the weights from memory adds to the chain, and so the most that reading them
@@ -111,8 +111,8 @@ def decoder_layers(shape: dict, weights: list[dict], inputs: dict) -> torch.Tens
             cu_seqlens_q=inputs["cu_seqlens_q"], seq_lens=inputs["seq_lens"], block_tables=inputs["block_tables"],
             max_seqlen_q=1, scale=head_dim ** -0.5, q_weight=w["q_norm"], k_weight=w["k_norm"], eps=EPS)
         o = kernels.linear(attention.view(1, heads * head_dim), w["o"])
-        gate_up, residual = kernels.norm_linear(o, residual, w["post_norm"], EPS, w["gate_up"])
-        x = kernels.act_linear(gate_up, w["down"])
+        gated, residual = kernels.norm_linear(o, residual, w["post_norm"], EPS, w["gate_up"], activation="silu")
+        x = kernels.linear(gated, w["down"])
     return x
 
 

@@ -17,7 +17,8 @@ __all__ = [
     "silu_and_mul", "gelu_and_mul", "fused_add_gelu", "element_wise_mul_add", "rms_norm",
     "fused_add_rms_norm", "apply_rotary_emb", "store_kvcache", "qk_norm_rope_store", "paged_attention",
     "qk_norm_rope_attention",
-    "sample", "small_batch_linear", "linear", "norm_linear", "embed_norm_linear", "act_linear", "GEMV_MAX_ROWS",
+    "sample", "small_batch_linear", "linear", "norm_linear", "embed_norm_linear", "linear_act", "act_linear",
+    "GEMV_MAX_ROWS",
     "staged_values", "staged_length", "stage_inputs", "publish_tokens", "STAGE_SLOT_MIN",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
@@ -354,29 +355,35 @@ def _few_rows_on_gemv(x: torch.Tensor, rows: int | None = None) -> bool:
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
-                leave_room: bool = False):
+                leave_room: bool = False, activation: str | None = None):
     """A pre-norm decoder's norm and the projection after it: with a residual,
     (linear(rms_norm(x + residual)), x + residual), without one (linear(rms_norm(x)), x).
     One kernel where one or two CUDA rows go to the small-batch GEMV's row kernel (decode of 1-2),
     else fused_add_rms_norm or rms_norm, then linear(). May reuse the memory of x and residual:
     callers must not read either afterwards. `leave_room`: the kernel after this one starts its
     programs beside this one's and needs room on every SM (the decode attention after qkv): the
-    row kernel then puts fewer of its programs on an SM."""
+    row kernel then puts fewer of its programs on an SM. `activation` ("silu", "gelu",
+    "gelu_tanh"): weight is a gated MLP's gate above its up, and the projection's output is
+    linear_act's, act(gate) * up (in the same kernel where it fuses)."""
     _require_last_dim_vector(x, norm_weight, "norm_weight")
     if residual is not None:
         _require_like(residual, x, "residual", "x")
     _require_weight(weight, x.shape[-1])
     _require_linear_operands(x, weight, bias, prefetch)  # before any kernel consumes x and residual
+    if activation is not None:
+        _require_gated_weight(weight, activation)
     if _few_rows_on_gemv(x):
         fused = implementation("norm_linear", x.device)(x, residual, norm_weight, eps, weight, bias, prefetch,
-                                                         leave_room)
+                                                         leave_room, activation)
         if fused is not None:
             return fused
     if residual is None:
         normed, residual = rms_norm(x, norm_weight, eps), x
     else:
         normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, prefetch), residual
+    if activation is None:
+        return linear(normed, weight, bias, prefetch), residual
+    return linear_act(normed, weight, bias, prefetch, activation), residual
 
 
 def embed_norm_linear(input_ids: torch.Tensor, embed_weight: torch.Tensor, embed_scale: float | None,
@@ -411,6 +418,30 @@ def embed_norm_linear(input_ids: torch.Tensor, embed_weight: torch.Tensor, embed
 
 _GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu": lambda x: gelu_and_mul(x, "none"),
                       "gelu_tanh": lambda x: gelu_and_mul(x, "tanh")}
+
+
+def _require_gated_weight(weight: torch.Tensor, activation: str) -> None:
+    _require(activation in _GATED_ACTIVATIONS, "activation",
+             lambda: f"must be one of {sorted(_GATED_ACTIVATIONS)}, got {activation!r}")
+    _require(weight.shape[0] % 2 == 0, "weight",
+             lambda: f"must hold a gate and an up projection of equal size, got {weight.shape[0]} rows")
+
+
+def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               prefetch: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """act(y[..., :N]) * y[..., N:] for y = linear(x, weight, bias) and weight [2N, K]: a gated
+    MLP's gate_up projection with its activation. activation: "silu", "gelu" (erf) or
+    "gelu_tanh". One kernel where one or two CUDA rows go to the row kernel, which computes
+    each feature's gate and up in one program and the activation once, in its epilogue; else
+    linear(), then the activation kernel."""
+    _require_weight(weight, x.shape[-1])
+    _require_linear_operands(x, weight, bias, prefetch)
+    _require_gated_weight(weight, activation)
+    if _few_rows_on_gemv(x):
+        fused = implementation("linear_act", x.device)(x, weight, bias, prefetch, activation)
+        if fused is not None:
+            return fused
+    return _GATED_ACTIVATIONS[activation](linear(x, weight, bias, prefetch))
 
 
 def act_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

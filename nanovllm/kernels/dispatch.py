@@ -37,6 +37,7 @@ _TRITON_MODULES = {
     "small_batch_linear": "gemv",
     "norm_linear": "gemv",
     "embed_norm_linear": "gemv",
+    "linear_act": "gemv",
     "act_linear": "gemv",
     "stage_inputs": "staging",
     "publish_tokens": "staging",

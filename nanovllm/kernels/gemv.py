@@ -169,11 +169,14 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, ne
 @triton.jit
 def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, embed_scale, row_ok, first_program,
                PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, SCALED: tl.constexpr):
-    """One input row of the GEMV in fp32 (zeros where not row_ok): x's row, or what the
-    unfused kernels before it would have stored (rounded to x's dtype as they round it).
-    PROLOGUE "norm": rms_norm(x); "add_norm": rms_norm(x + res), the sum stored to res_out by
-    the first program; "embed_norm": rms_norm(x) for x an embedding row (times embed_scale
-    where SCALED), which the first program stores to res_out; "act": activation(x[:K]) * x[K:2K]."""
+    """(row, scale): one input row of the GEMV in fp32 (zeros where not row_ok) and the factor
+    its products take. PROLOGUE "norm": rms_norm(x); "add_norm": rms_norm(x + res), the sum
+    stored to res_out by the first program; "embed_norm": rms_norm(x) for x an embedding row
+    (times embed_scale where SCALED), which the first program stores to res_out; "act":
+    activation(x[:K]) * x[K:2K]. A norm returns x * weight and its 1 / rms as the scale: the sum
+    of squares and the products' sums are then independent reductions rather than one after
+    the other. The sum and the activation are rounded to x's dtype, as the unfused kernels
+    store them; the normalised row is not rounded."""
     mask = (cols < K) & row_ok
     x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PROLOGUE == "embed_norm":
@@ -187,10 +190,18 @@ def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, embed_sca
         summed = (x + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
         tl.store(res_out_ptr + cols, summed, mask=mask & first_program)
         x = summed.to(tl.float32)
+    scale = 1.0
     if PROLOGUE == "norm" or PROLOGUE == "add_norm" or PROLOGUE == "embed_norm":
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-        x = (x * inv_rms * norm_weight).to(x_ptr.dtype.element_ty).to(tl.float32)
-    return x
+        scale = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+        x = x * norm_weight
+    return x, scale
+
+
+@triton.jit
+def _weight_rows(w_ptr, rows, N, K, cols, w_row_stride):
+    """Rows `rows` of the [N, K] weight (zeros past N and K), as stored."""
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + cols[None, :],
+                   mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
 
 
 @fast_launch
@@ -198,37 +209,56 @@ def _row_input(x_ptr, cols, K, res_ptr, res_out_ptr, norm_weight, eps, embed_sca
 def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_row_stride,
                      res_ptr, res_out_ptr, norm_ptr, eps, ids_ptr, embed_scale,
                      HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
-    """M <= ROWS rows of x (ROWS a power of two): a program owns BLOCK_N output features and
+                     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr,
+                     PDL: tl.constexpr):
+    """M <= ROWS rows of x (ROWS a power of two): a program owns BLOCK_N rows of the weight and
     all of K, in one BLOCK_K tile loaded before the wait. Products on the CUDA cores and sums
     along K inside the program: no partials, no arrival counter, nothing after the wait but
     the input rows (with their prologue, _row_input), the products and the stores. res and
     res_out rows are K apart. With the "embed_norm" prologue, row m of the input is row
     ids[m] of x (an embedding table), read after the wait: the kernel before writes the ids.
+    GATED: the weight is a gated MLP's gate [N, K] above its up [N, K], and out [M, N] is
+    activation(gate) * up, a program's rows the gate and up rows of BLOCK_N / 2 features: the
+    activation runs once per feature rather than in every program of the down projection
+    after it (as the "act" prologue does).
     No L2 prefetch of the next weight: the next kernel's programs
     read theirs before their own wait, and the prefetch only added traffic (H200, batch 1 at
     1k context: 0.772 -> 0.736 ms a step without it)."""
     tile = tl.program_id(0)
-    features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + features.to(tl.int64)[:, None] * w_row_stride + cols[None, :],
-                mask=(features < N)[:, None] & (cols < K)[None, :], other=0.0)
+    if GATED:
+        features = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        w = _weight_rows(w_ptr, features, N, K, cols, w_row_stride)
+        w_up = _weight_rows(w_ptr + N.to(tl.int64) * w_row_stride, features, N, K, cols, w_row_stride)
+    else:
+        features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = _weight_rows(w_ptr, features, N, K, cols, w_row_stride)
     norm_weight = 1.0
     if PROLOGUE == "norm" or PROLOGUE == "add_norm" or PROLOGUE == "embed_norm":
         norm_weight = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     bias = 0.0
+    bias_up = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + features, mask=features < N, other=0.0).to(tl.float32)
+        if GATED:
+            bias_up = tl.load(bias_ptr + N + features, mask=features < N, other=0.0).to(tl.float32)
     await_previous_kernel(PDL)
     w = w.to(tl.float32)
+    if GATED:
+        w_up = w_up.to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
     for m in tl.static_range(ROWS):
         row = m
         if PROLOGUE == "embed_norm":
             row = tl.load(ids_ptr + m, mask=m < M, other=0)
-        x = _row_input(x_ptr + row * x_row_stride, cols, K, res_ptr + m * K, res_out_ptr + m * K, norm_weight, eps,
-                       embed_scale, m < M, tile == 0, PROLOGUE, ACTIVATION, SCALED)
-        acc = tl.sum(w * x[None, :], axis=1) + bias
-        tl.store(out_ptr + m * N + features, acc.to(out_ptr.dtype.element_ty), mask=(features < N) & (m < M))
+        x, scale = _row_input(x_ptr + row * x_row_stride, cols, K, res_ptr + m * K, res_out_ptr + m * K,
+                              norm_weight, eps, embed_scale, m < M, tile == 0, PROLOGUE, ACTIVATION, SCALED)
+        acc = tl.sum(w * x[None, :], axis=1) * scale + bias
+        if GATED:
+            up = tl.sum(w_up * x[None, :], axis=1) * scale + bias_up
+            # gate and up rounded as the projection stores them, then as the activation kernel computes
+            acc = activate(acc.to(dtype).to(tl.float32), ACTIVATION) * up.to(dtype).to(tl.float32)
+        tl.store(out_ptr + m * N + features, acc.to(dtype), mask=(features < N) & (m < M))
 
 
 @functools.cache
@@ -314,12 +344,15 @@ def row_config(n: int, k: int, element_size: int, device_index: int) -> tuple[in
 
 def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prologue: str = "none", residual=None,
                 residual_out=None, norm_weight=None, eps: float = 0.0, activation: str = "silu",
-                leave_room: bool = False, ids=None, embed_scale: float | None = None) -> None:
+                leave_room: bool = False, ids=None, embed_scale: float | None = None, gated: bool = False) -> None:
     """x: ROW_MAX_ROWS rows at most, with unit stride ([M, 2K] for the "act" prologue, else
     [M, K]), or for "embed_norm" the embedding table whose rows `ids` (M int64) names;
-    residual and residual_out contiguous [M, K]."""
+    residual and residual_out contiguous [M, K]. `gated`: out is [M, N / 2], the activation
+    of the weight's first N / 2 rows' outputs times the last N / 2's (block_n even)."""
     n, k = weight.shape
-    programs, device = cdiv(n, block_n), x.get_device()
+    if gated:
+        n //= 2
+    programs, device = cdiv(n, block_n // 2 if gated else block_n), x.get_device()
     rows = x.shape[0] if ids is None else ids.numel()
     capped = leave_room and programs <= _ROW_PROGRAMS_PER_SM_CAP * _sm_count(device)
     cap = occupancy_cap(device, _ROW_PROGRAMS_PER_SM_CAP) if capped else {}
@@ -329,7 +362,7 @@ def _launch_row(x, weight, bias, out, block_n: int, block_k: int, prologue: str 
         out if norm_weight is None else norm_weight, eps, out if ids is None else ids,
         1.0 if embed_scale is None else embed_scale,
         HAS_BIAS=bias is not None, ROWS=next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        PROLOGUE=prologue, ACTIVATION=activation, SCALED=embed_scale is not None, num_warps=_ROW_WARPS,
+        PROLOGUE=prologue, ACTIVATION=activation, SCALED=embed_scale is not None, GATED=gated, num_warps=_ROW_WARPS,
         num_stages=1, **dependent_launch(device), **cap)
 
 
@@ -358,6 +391,15 @@ def _prologue_block(x, n: int, k: int, input_bytes: int) -> tuple[int, int] | No
     return block
 
 
+def _gated_block(block: tuple[int, int] | None, element_size: int) -> tuple[int, int] | None:
+    """The row block for a gated epilogue: a program holds a feature's gate and up rows, two
+    at least, even where that makes fewer programs than PROGRAMS_PER_SM an SM; None where two
+    weight rows exceed a program's budget."""
+    if block is None or 2 * block[1] * element_size > _ROW_PROGRAM_BYTES:
+        return None
+    return max(2, block[0]), block[1]
+
+
 def _unit_stride(weight: torch.Tensor, bias: torch.Tensor | None):
     """The weight with unit stride along K and a unit-stride bias, copied where they are not:
     a transposed weight costs a copy of it every call."""
@@ -365,21 +407,38 @@ def _unit_stride(weight: torch.Tensor, bias: torch.Tensor | None):
     return weight, bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None, leave_room=False):
+def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None, leave_room=False, activation=None):
     """kernels.norm_linear in one launch of the row kernel, or None where it does not serve
-    (_prologue_block). `prefetch` is unused: the row kernel does not prefetch. `leave_room`:
-    at most _ROW_PROGRAMS_PER_SM_CAP programs an SM."""
+    (_prologue_block, and for `activation` _gated_block). `prefetch` is unused:
+    the row kernel does not prefetch. `leave_room`: at most _ROW_PROGRAMS_PER_SM_CAP programs
+    an SM."""
     n, k = weight.shape
     block = _prologue_block(x, n, k, (1 if residual is None else 2) * k * x.element_size())
+    if activation is not None:
+        block = _gated_block(block, x.element_size())
     if block is None:
         return None
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    out = torch.empty((*x.shape[:-1], n if activation is None else n // 2), dtype=x.dtype, device=x.device)
     residual_out = x if residual is None else torch.empty(residual.shape, dtype=x.dtype, device=x.device)
     weight, bias = _unit_stride(weight, bias)
     _launch_row(_rows(x, k), weight, bias, out, *block, "norm" if residual is None else "add_norm",
                 None if residual is None else residual.reshape(-1, k).contiguous(), residual_out,
-                norm_weight.contiguous(), eps, leave_room=leave_room)
+                norm_weight.contiguous(), eps, leave_room=leave_room,
+                activation=_ACTIVATIONS[activation or "silu"], gated=activation is not None)
     return out, residual_out
+
+
+def linear_act(x, weight, bias=None, prefetch=None, activation="silu"):
+    """kernels.linear_act in one launch of the row kernel, or None where it does not serve
+    (_row_block, _gated_block); `prefetch` unused, as in norm_linear."""
+    n, k = weight.shape
+    block = _gated_block(_row_block(x, n, k), x.element_size())
+    if block is None or x.numel() == 0:
+        return None
+    out = torch.empty((*x.shape[:-1], n // 2), dtype=x.dtype, device=x.device)
+    weight, bias = _unit_stride(weight, bias)
+    _launch_row(_rows(x, k), weight, bias, out, *block, activation=_ACTIVATIONS[activation], gated=True)
+    return out
 
 
 def embed_norm_linear(input_ids, embed_weight, embed_scale, norm_weight, eps, weight, bias=None, leave_room=False):

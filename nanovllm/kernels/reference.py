@@ -53,11 +53,13 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).to(x.dtype)
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None, leave_room=False):
+def norm_linear(x, residual, norm_weight, eps, weight, bias=None, prefetch=None, leave_room=False, activation=None):
     """`prefetch` and `leave_room` are hints to the GPU's scheduling: nothing to do here."""
     normed, residual = (rms_norm(x, norm_weight, eps), x) if residual is None else fused_add_rms_norm(
         x, residual, norm_weight, eps)
-    return small_batch_linear(normed, weight, bias), residual
+    if activation is None:
+        return small_batch_linear(normed, weight, bias), residual
+    return linear_act(normed, weight, bias, None, activation), residual
 
 
 def embed_norm_linear(input_ids, embed_weight, embed_scale, norm_weight, eps, weight, bias=None, leave_room=False):
@@ -67,9 +69,16 @@ def embed_norm_linear(input_ids, embed_weight, embed_scale, norm_weight, eps, we
     return norm_linear(embedded, None, norm_weight, eps, weight, bias)
 
 
+def _gated(x, activation):
+    return silu_and_mul(x) if activation == "silu" else gelu_and_mul(x, "tanh" if activation == "gelu_tanh" else "none")
+
+
+def linear_act(x, weight, bias=None, prefetch=None, activation="silu"):
+    return _gated(small_batch_linear(x, weight, bias), activation)
+
+
 def act_linear(x, weight, bias=None, prefetch=None, activation="silu"):
-    gated = silu_and_mul(x) if activation == "silu" else gelu_and_mul(x, "tanh" if activation == "gelu_tanh" else "none")
-    return small_batch_linear(gated, weight, bias)
+    return small_batch_linear(_gated(x, activation), weight, bias)
 
 
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):

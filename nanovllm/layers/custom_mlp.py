@@ -1,6 +1,7 @@
 """The gated MLP of Qwen/Llama-style decoders: down(act(gate(x)) * up(x)), with gate and up
-in one matrix and the activation and product fused into one kernel (into the down
-projection's, in decode steps of one or two sequences).
+in one matrix and the activation and product fused into one kernel. In decode steps of one or
+two sequences they run inside a projection's kernel: after a norm, in the epilogue of gate_up's
+(once per feature); on their own input, in the prologue of down's (in every program).
 
 `python -m nanovllm.layers.custom_mlp` checks that the fused and the plain PyTorch paths
 agree and times both on whatever device is there."""
@@ -46,6 +47,15 @@ class CustomGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
+
+    def normed_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
+        """(this MLP of norm(x + residual), x + residual), as gate_up_proj.normed_forward: the
+        norm, gate_up and the activation one kernel in decode steps of one or two sequences."""
+        if self.use_custom_kernels:
+            activated, residual = self.gate_up_proj.normed_forward(x, norm, residual, self.activation.name)
+            return self.down_proj(activated), residual
+        gate_up, residual = self.gate_up_proj.normed_forward(x, norm, residual)
+        return self.down(gate_up), residual
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The activation of gate_up's halves, their product and the down projection (one

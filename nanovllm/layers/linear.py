@@ -70,12 +70,14 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, shard_dim=0)
 
-    def normed_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
+    def normed_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None,
+                       activation: str | None = None):
         """(this projection of norm(x + residual), x + residual), of norm(x) and x without a
         residual: `norm` (an RMSNorm) fused into the projection's kernel in decode steps of one
-        or two sequences (kernels.norm_linear). x and residual must not be read afterwards."""
+        or two sequences (kernels.norm_linear). x and residual must not be read afterwards.
+        `activation`: of a gated MLP's gate_up, act(gate) * up in place of the projection."""
         return kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, self._next_weight(),
-                                   self.leave_room)
+                                   self.leave_room, activation)
 
     def embedded_forward(self, input_ids: torch.Tensor, embed_weight: torch.Tensor, embed_scale: float | None,
                          norm: nn.Module):

@@ -71,9 +71,7 @@ class DecoderLayer(nn.Module):
         """The layer after its qkv projection (the model's first layer computes that projection
         from the token ids)."""
         hidden_states = self.self_attn(positions, qkv)
-        gate_up, residual = self.mlp.gate_up_proj.normed_forward(hidden_states, self.post_attention_layernorm,
-                                                                residual)
-        return self.mlp.down(gate_up), residual
+        return self.mlp.normed_forward(hidden_states, self.post_attention_layernorm, residual)
 
 
 class DecoderModel(nn.Module):

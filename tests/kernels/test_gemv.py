@@ -1,16 +1,16 @@
 """small_batch_linear (nanovllm/kernels/gemv.py) against F.linear in float64, on each of its
 paths (one or two rows: a program a few features of all of K; more: one program per feature
 tile, or split-K with the last program reducing), kernels.linear's choice between it and
-F.linear, and the norm, the embedding lookup and the activation fused into the row kernel
-(norm_linear, embed_norm_linear, act_linear).
+F.linear, and the norm, the embedding lookup and the gated activation fused into the row kernel
+(norm_linear, embed_norm_linear, linear_act, act_linear).
 Tolerances: kernel_testing.TOLERANCE."""
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import (FP32_INTERPRETER_AND_GPU, TARGETS, assert_close, capture_and_replay, poison_allocator,
-                            randn, require_triton, strided_rows, upcast)
+from kernel_testing import (FP32_INTERPRETER_AND_GPU, TARGETS, TOLERANCE, assert_close, capture_and_replay,
+                            poison_allocator, randn, relative_error, require_triton, strided_rows, upcast)
 
 from nanovllm import kernels
 from nanovllm.kernels import reference, small_batch_linear
@@ -143,7 +143,7 @@ def test_qkv_leaves_room_for_the_attention(monkeypatch):
     the MLP's gate_up does not."""
     from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
     asked = []
-    monkeypatch.setattr(kernels, "norm_linear", lambda *args: asked.append(args[-1]) or (args[0], args[0]))
+    monkeypatch.setattr(kernels, "norm_linear", lambda *args: asked.append(args[7]) or (args[0], args[0]))
     norm = torch.nn.RMSNorm(8, eps=1e-6)
     QKVParallelLinear(8, 4, 2, 1).normed_forward(torch.zeros(1, 8), norm, None)
     MergedColumnParallelLinear(8, [16, 16]).normed_forward(torch.zeros(1, 8), norm, None)
@@ -408,8 +408,9 @@ def test_embed_norm_linear_bad_arguments_name_the_argument(call, name):
 
 @pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
 def test_fused_prologues_take_strided_and_empty_operands(device, dtype):
-    """A transposed weight, a strided bias and norm weight (copied), a row of a wider buffer;
-    no features or no rows: an empty result, from the unfused path."""
+    """A transposed weight, a strided bias and norm weight (copied), a row of a wider buffer,
+    with and without the gated epilogue; no features or no rows: an empty result, from the
+    unfused path."""
     require_triton(device)
     gemv = _gemv()
     k, n = 96, 40
@@ -424,7 +425,17 @@ def test_fused_prologues_take_strided_and_empty_operands(device, dtype):
     gated = strided_rows(1, 2 * k, dtype, device)
     assert_close(gemv.act_linear(gated, weight, bias),
                  reference.act_linear(gated.double(), weight.double(), bias.double()), dtype)
+    gate_up = randn(k, 2 * n, dtype=dtype, device=device).t()  # a gated weight, transposed
+    gate_up_bias = randn(4 * n, dtype=dtype, device=device)[::2]
+    projected, _ = reference.norm_linear(x.double(), residual.double(), norm_weight.double(), 1e-6,
+                                         gate_up.double(), gate_up_bias.double())
+    out, _ = gemv.norm_linear(x, residual, norm_weight, 1e-6, gate_up, gate_up_bias, activation="silu")
+    assert_close(out, reference.silu_and_mul(projected.to(dtype).double()), dtype)
+    projected = reference.small_batch_linear(x.double(), gate_up.double(), gate_up_bias.double())
+    assert_close(gemv.linear_act(x, gate_up, gate_up_bias), reference.silu_and_mul(projected.to(dtype).double()),
+                 dtype)
     assert gemv.norm_linear(x, residual, norm_weight, 1e-6, weight[:0], bias[:0]) is None
+    assert gemv.linear_act(x[:0], gate_up, gate_up_bias) is None
     assert gemv.act_linear(gated[:0], weight, bias) is None
     empty, _ = kernels.norm_linear(x[:0], None, norm_weight, 1e-6, weight, bias)
     assert empty.shape == (0, n)
@@ -440,6 +451,54 @@ def test_act_linear_in_the_row_kernel(device, dtype, activation, rows):
     weight, bias = randn(n, k, dtype=dtype, device=device) * k ** -0.5, randn(n, dtype=dtype, device=device)
     out = _gemv().act_linear(x, weight, bias, None, activation)
     assert_close(out, reference.act_linear(x.double(), weight.double(), bias.double(), None, activation), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("rows,n,k", [(1, 77, 300), (1, 301, 300), (2, 531, 256)])
+def test_gated_epilogue_in_the_row_kernel(device, dtype, activation, rows, n, k):
+    """gate_up [2N, K] with its activation: after a norm (norm_linear(activation=...), with and
+    without a residual) and on its own input (linear_act); N not a multiple of a program's
+    features, and a bias whose up half differs from its gate half. Tolerance TOLERANCE[dtype],
+    but 2e-2 for bf16 on the interpreter, which rounds to bf16 by truncation, three times here
+    (gate, up, the output)."""
+    require_triton(device)
+    gemv = _gemv()
+    tolerance = 2e-2 if device == "cpu" and dtype == torch.bfloat16 else TOLERANCE[dtype]
+
+    def assert_gated_close(out, expected):
+        assert out.dtype == dtype and out.shape == expected.shape
+        assert relative_error(out, expected) <= tolerance
+
+    def gated(projected):  # float64, gate and up rounded to dtype as the kernel (and the unfused path) store them
+        return reference.linear_act(projected.to(dtype).double(), torch.eye(2 * n, dtype=torch.float64,
+                                                                                device=device), None, None, activation)
+
+    for with_residual in (False, True):
+        x, residual, norm_weight, weight, bias = _norm_linear_case(2 * n, k, dtype, device, with_residual, False,
+                                                                   rows)
+        out, new_residual = gemv.norm_linear(x, residual, norm_weight, 1e-6, weight, bias, activation=activation)
+        projected, expected_residual = reference.norm_linear(
+            x.double(), None if residual is None else residual.double(), norm_weight.double(), 1e-6,
+            weight.double(), bias.double())
+        assert out.shape == (rows, n)
+        assert_gated_close(out, gated(projected))
+        assert_close(new_residual, expected_residual, dtype)
+    out = gemv.linear_act(x, weight, bias, None, activation)
+    assert_gated_close(out, gated(reference.small_batch_linear(x.double(), weight.double(), bias.double())))
+
+
+def test_the_gated_epilogue_needs_two_weight_rows_a_program(monkeypatch):
+    """A program holds a feature's gate and up rows: where two weight rows exceed a program's
+    budget, the kernel declines; where the launch rule gives one row a program (few features
+    on many SMs), it takes two."""
+    gemv = _gemv()
+    assert gemv._gated_block((1, 64), 2) == (2, 64) and gemv._gated_block((8, 64), 2) == (8, 64)
+    monkeypatch.setattr(gemv, "row_config", lambda n, k, element_size, device_index:
+                        (1, gemv._ROW_PROGRAM_BYTES // element_size))
+    x, _, norm_weight, weight, bias = _norm_linear_case(8, 16, torch.float32, "cpu", False, False)
+    assert gemv.norm_linear(x, None, norm_weight, 1e-6, weight, bias, activation="silu") is None
+    assert gemv.linear_act(x, weight, bias) is None
 
 
 def test_the_row_kernel_declines_what_it_does_not_serve():
@@ -483,6 +542,14 @@ def test_unfused_path_matches_the_reference(activation):
     out, new_residual = kernels.norm_linear(x.clone(), residual.clone(), norm_weight, 1e-6, weight, bias)
     assert_close(out, expected[0], torch.float32)
     assert_close(new_residual, expected[1], torch.float32)
+    gate_up, gate_up_bias = weight[:8], bias[:8]
+    expected = reference.norm_linear(x.double(), residual.double(), norm_weight.double(), 1e-6, gate_up.double(),
+                                     gate_up_bias.double(), activation=activation)
+    out, new_residual = kernels.norm_linear(x.clone(), residual.clone(), norm_weight, 1e-6, gate_up, gate_up_bias,
+                                            activation=activation)
+    assert out.shape == (3, 4)
+    assert_close(out, expected[0], torch.float32)
+    assert_close(new_residual, expected[1], torch.float32)
     gated = torch.randn(3, 32)
     assert_close(kernels.act_linear(gated, weight, bias, activation=activation),
                  reference.act_linear(gated.double(), weight.double(), bias.double(), None, activation), torch.float32)
@@ -490,7 +557,8 @@ def test_unfused_path_matches_the_reference(activation):
 
 @pytest.mark.gpu
 def test_norm_and_act_linear_in_a_cuda_graph():
-    """The decoder's batch-1 path through the boundary, replayed from a graph."""
+    """The decoder's batch-1 path through the boundary, replayed from a graph: qkv, down on its
+    gated input, gate_up with its activation."""
     x, residual, norm_weight, weight, bias = _norm_linear_case(4096, 1024, torch.bfloat16, "cuda", True, False)
     expected = reference.norm_linear(x.double(), residual.double(), norm_weight.double(), 1e-6, weight.double(),
                                      bias.double())
@@ -500,6 +568,11 @@ def test_norm_and_act_linear_in_a_cuda_graph():
                                                                               device="cuda") * 3072 ** -0.5
     out = capture_and_replay(lambda: kernels.act_linear(gated, down))
     assert_close(out, reference.act_linear(gated.double(), down.double()), torch.bfloat16)
+    gate_up = randn(6144, 1024, dtype=torch.bfloat16, device="cuda") * 1024 ** -0.5
+    out = capture_and_replay(lambda: kernels.norm_linear(x, residual, norm_weight, 1e-6, gate_up, activation="silu")[0])
+    expected = reference.norm_linear(x.double(), residual.double(), norm_weight.double(), 1e-6, gate_up.double(),
+                                     activation="silu")
+    assert_close(out, expected[0], torch.bfloat16)
 
 
 @pytest.mark.parametrize("call,name", [
@@ -510,6 +583,13 @@ def test_norm_and_act_linear_in_a_cuda_graph():
     (lambda: kernels.act_linear(torch.randn(1, 8), torch.randn(3, 8)), "weight"),
     (lambda: kernels.act_linear(torch.randn(1, 7), torch.randn(3, 3)), "x"),
     (lambda: kernels.act_linear(torch.randn(1, 8), torch.randn(3, 4), activation="relu"), "activation"),
+    (lambda: kernels.linear_act(torch.randn(1, 8), torch.randn(3, 8)), "weight"),
+    (lambda: kernels.linear_act(torch.randn(1, 8), torch.randn(4, 8), activation="relu"), "activation"),
+    (lambda: kernels.linear_act(torch.randn(1, 8), torch.randn(4, 7)), "weight"),
+    (lambda: kernels.norm_linear(torch.randn(1, 8), None, torch.randn(8), 1e-6, torch.randn(3, 8),
+                                 activation="silu"), "weight"),
+    (lambda: kernels.norm_linear(torch.randn(1, 8), None, torch.randn(8), 1e-6, torch.randn(4, 8),
+                                 activation="tanh"), "activation"),
     (lambda: kernels.norm_linear(torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), 1e-6, torch.randn(5, 8),
                                  torch.randn(4)), "bias"),
     (lambda: kernels.act_linear(torch.randn(3, 8), torch.randn(5, 4), torch.randn(5, dtype=torch.float16)), "bias"),

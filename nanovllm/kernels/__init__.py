@@ -420,9 +420,13 @@ _GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu": lambda x: gelu_and_mul(x, "n
                       "gelu_tanh": lambda x: gelu_and_mul(x, "tanh")}
 
 
-def _require_gated_weight(weight: torch.Tensor, activation: str) -> None:
+def _require_activation(activation: str) -> None:
     _require(activation in _GATED_ACTIVATIONS, "activation",
              lambda: f"must be one of {sorted(_GATED_ACTIVATIONS)}, got {activation!r}")
+
+
+def _require_gated_weight(weight: torch.Tensor, activation: str) -> None:
+    _require_activation(activation)
     _require(weight.shape[0] % 2 == 0, "weight",
              lambda: f"must hold a gate and an up projection of equal size, got {weight.shape[0]} rows")
 
@@ -450,8 +454,7 @@ def act_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     activation and down projection. activation: "silu", "gelu" (erf) or "gelu_tanh". One
     kernel where one or two CUDA rows go to the small-batch GEMV's row kernel, else the activation
     kernel then linear()."""
-    _require(activation in _GATED_ACTIVATIONS, "activation",
-             lambda: f"must be one of {sorted(_GATED_ACTIVATIONS)}, got {activation!r}")
+    _require_activation(activation)
     _require_gated(x)
     _require_weight(weight, x.shape[-1] // 2)
     _require_linear_operands(x, weight, bias, prefetch)

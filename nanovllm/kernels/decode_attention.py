@@ -198,12 +198,16 @@ def _decode_attention_kernel(
     # Long splits: the full tiles after the first, then at most one that reaches past the
     # cached keys.
     full_hi = lo + tl.maximum((cached_hi - lo) // BLOCK_N, 1) * BLOCK_N
-    for start in tl.range(lo + BLOCK_N, full_hi, BLOCK_N):
-        k1, k2, v1, v2, visible = _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key, cached_hi,
-                                            offs_n, cols, half, stride_btc, stride_kb, stride_kt_cache, stride_vb,
-                                            stride_vt_cache, BLOCK_N, BLOCK_SIZE, False)
-        acc1, acc2, m_i, l_i = _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale,
-                                            DOT_PRECISION, False)
+    if full_hi > lo + BLOCK_N:
+        # Behind a branch: the software pipeline's prologue (the first iteration's loads, and a
+        # wait for them after the loop) would otherwise run in splits of one tile too.
+        for start in tl.range(lo + BLOCK_N, full_hi, BLOCK_N):
+            k1, k2, v1, v2, visible = _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key,
+                                                cached_hi, offs_n, cols, half, stride_btc, stride_kb,
+                                                stride_kt_cache, stride_vb, stride_vt_cache, BLOCK_N, BLOCK_SIZE,
+                                                False)
+            acc1, acc2, m_i, l_i = _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale,
+                                                DOT_PRECISION, False)
     if full_hi < cached_hi:
         k1, k2, v1, v2, visible = _key_tile(block_table_row, k_head_ptr, v_head_ptr, full_hi, first_key, cached_hi,
                                             offs_n, cols, half, stride_btc, stride_kb, stride_kt_cache, stride_vb,

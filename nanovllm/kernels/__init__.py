@@ -26,7 +26,8 @@ _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.f
 _INDEX_DTYPES = frozenset((torch.int32, torch.int64))
 _GEMV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 GEMV_MAX_ROWS = 16  # nanovllm.kernels.gemv.MAX_ROWS, without importing Triton here
-GEMV_ROW_MAX_ROWS = 2  # nanovllm.kernels.gemv.ROW_MAX_ROWS: where norm_linear, embed_norm_linear and act_linear fuse
+GEMV_ROW_MAX_ROWS = 2  # nanovllm.kernels.gemv.ROW_MAX_ROWS: where norm_linear, embed_norm_linear, linear_act
+# and act_linear fuse
 # Values of a staging slot that stage_inputs reads before it knows which slot is the step's: a
 # slot holds at least this many.
 STAGE_SLOT_MIN = 256
@@ -383,7 +384,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
     if activation is None:
         return linear(normed, weight, bias, prefetch), residual
-    return linear_act(normed, weight, bias, prefetch, activation), residual
+    return _checked_linear_act(normed, weight, bias, prefetch, activation), residual
 
 
 def embed_norm_linear(input_ids: torch.Tensor, embed_weight: torch.Tensor, embed_scale: float | None,
@@ -441,6 +442,11 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _require_weight(weight, x.shape[-1])
     _require_linear_operands(x, weight, bias, prefetch)
     _require_gated_weight(weight, activation)
+    return _checked_linear_act(x, weight, bias, prefetch, activation)
+
+
+def _checked_linear_act(x, weight, bias, prefetch, activation: str) -> torch.Tensor:
+    """linear_act on operands already checked (norm_linear's unfused path checks them first)."""
     if _few_rows_on_gemv(x):
         fused = implementation("linear_act", x.device)(x, weight, bias, prefetch, activation)
         if fused is not None:

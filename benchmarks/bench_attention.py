@@ -1,6 +1,7 @@
-"""Benchmarks nanovllm's Triton paged attention on one GPU in bf16: prefill against PyTorch
-SDPA on dense data, decode against the KV bytes floor and a gather + SDPA path (the small-head
-row also against the read floor of its grid, benchmarks/gather_read.py), small decode
+"""Benchmarks nanovllm's paged attention on one GPU in bf16: prefill against PyTorch SDPA on
+dense data, decode against the KV bytes floor and a gather + SDPA path (the small-head rows,
+which the CUDA C++ decode kernel serves, also against the Triton kernel and the first against
+the read floor of its grid, benchmarks/gather_read.py), small decode
 batches through qk_norm_rope_attention's fused kernel against the two kernels it replaces,
 split, block-size and tile sweeps, compile time. Every configuration is checked against the PyTorch
 reference before it is timed. Writes bench_attention.json and bench_attention.md into --out.
@@ -23,7 +24,9 @@ DECODES = [dict(name="decode 256 x 1024", query_lens=[1] * 256, seq_lens=[1024] 
            # small heads in small blocks (Qwen2.5-0.5B's 14 / 2 heads of 64): short programs, also
            # timed against the read floor of their grid (benchmarks/gather_read.py, its fastest tiles)
            dict(name="decode 256 x 512, 14/2 heads, d64, blocks of 16", query_lens=[1] * 256, seq_lens=[512] * 256,
-                heads=(14, 2), head_dim=64, block_size=16, read_floor=dict(block_n=64, early_tiles=2))]
+                heads=(14, 2), head_dim=64, block_size=16, read_floor=dict(block_n=64, early_tiles=2)),
+           dict(name="decode 256 x 1024, 14/2 heads, d64, blocks of 16", query_lens=[1] * 256, seq_lens=[1024] * 256,
+                heads=(14, 2), head_dim=64, block_size=16)]
 # Same shape classes as above with other token counts: must reuse the compiled kernels.
 SECOND_CALLS = [dict(name="prefill 7 x 1500", query_lens=[1500] * 7, seq_lens=[1500] * 7),
                 dict(name="decode 255 x 1000", query_lens=[1] * 255, seq_lens=[1000] * 255),
@@ -153,12 +156,12 @@ class Bench:
         return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
                     block_tables=block_tables, max_seqlen_q=max(spec["query_lens"]), scale=head_dim ** -0.5)
 
-    def run(self, w: dict, config=None, num_splits=None):
-        return self.attention.paged_attention(**w, config=config, num_splits=num_splits)
+    def run(self, w: dict, config=None, num_splits=None, cuda_decode=None):
+        return self.attention.paged_attention(**w, config=config, num_splits=num_splits, cuda_decode=cuda_decode)
 
-    def checked(self, name: str, w: dict, config=None, num_splits=None):
+    def checked(self, name: str, w: dict, config=None, num_splits=None, cuda_decode=None):
         """The kernel's output, after failing loudly if it differs from the reference."""
-        out = self.run(w, config, num_splits)
+        out = self.run(w, config, num_splits, cuda_decode)
         ref = self.reference.paged_attention(**w).float()
         err = self.relative_error(out, ref)
         if not (err < TOLERANCE and self.torch.isfinite(out).all()):
@@ -251,6 +254,14 @@ class Bench:
                "splits": self.attention.split_plan(len(spec["seq_lens"]) * num_kv_heads,
                                                     w["block_tables"].shape[1] * w["k_cache"].shape[1],
                                                     (config or self.default_config(w)).block_n, self.device)[0]}
+        cuda_kernel = config is None and self.attention.cuda_decode_module(
+            w["q"], w["k_cache"], w["v_cache"], w["cu_seqlens_q"], w["seq_lens"], w["block_tables"],
+            w["max_seqlen_q"], row["splits"], None) is not None
+        row["kernel"] = "cuda" if cuda_kernel else "triton"
+        if cuda_kernel:  # the Triton kernel it replaces, same call otherwise
+            self.checked(spec["name"], w, cuda_decode=False)
+            triton_ms = self.time_ms(lambda: self.run(w, cuda_decode=False))
+            row |= {"triton_ms": triton_ms, "speed_vs_triton": triton_ms / ms}
         if baseline:
             torch_ms = self.time_ms(lambda: gather_sdpa_decode(w, spec["seq_lens"][0]))
             row |= {"torch_gather_sdpa_ms": torch_ms, "speed_vs_torch": torch_ms / ms}
@@ -397,11 +408,13 @@ def to_markdown(results: dict) -> str:
               f"| nanovllm paged | {p['ms']:.3f} | {p['tflops']:.0f} |"]
     lines += [f"| SDPA {name} ({r['gqa']} GQA) | {r['ms']:.3f} | {r['tflops']:.0f} |" for name, r in p["sdpa"].items()]
     lines += ["", f"Speed vs fastest SDPA: **{p['speed_vs_sdpa']:.2f}x**", ""]
-    lines += ["## Decode", "", "| workload | splits | ms | floor ms | GB/s | of copy bw | gather+SDPA ms | speed-up |",
-              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {d['workload']} | {d['splits']} | {d['ms']:.4f} | {d['floor_ms']:.4f} | {d['GBps']:.0f} | "
-              f"{d['bandwidth_fraction']:.0%} | {d['torch_gather_sdpa_ms']:.4f} | {d['speed_vs_torch']:.2f}x |"
-              for d in results["decode"]]
+    lines += ["## Decode", "", "| workload | kernel | splits | ms | floor ms | GB/s | of copy bw | gather+SDPA ms | "
+              "speed-up |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {d['workload']} | {d['kernel']} | {d['splits']} | {d['ms']:.4f} | {d['floor_ms']:.4f} | "
+              f"{d['GBps']:.0f} | {d['bandwidth_fraction']:.0%} | {d['torch_gather_sdpa_ms']:.4f} | "
+              f"{d['speed_vs_torch']:.2f}x |" for d in results["decode"]]
+    lines += [f"\n{d['workload']}: the Triton kernel takes {d['triton_ms']:.4f} ms, the CUDA C++ one "
+              f"{d['speed_vs_triton']:.2f}x faster." for d in results["decode"] if "triton_ms" in d]
     lines += [f"\nRead floor of {d['workload']} at the kernel's grid (benchmarks/gather_read.py): "
               f"{d['gather_read_ms']:.4f} ms, {d['gather_read_fraction']:.0%} of copy bw; the kernel takes "
               f"{d['ms'] / d['gather_read_ms']:.2f}x that." for d in results["decode"] if "gather_read_ms" in d]

@@ -478,10 +478,13 @@ def keys_read(block_tables, block_size: int, sliding_window: int | None, max_seq
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
                     sliding_window: int | None = None, num_splits: int | None = None,
-                    config: TileConfig | None = None):
+                    config: TileConfig | None = None, cuda_decode: bool | None = None):
     """See nanovllm.kernels.paged_attention. Beyond it: `num_splits` forces the KV split count
-    (1: none) and `config` the tiles; both for tests and benchmarks. Output rows that no
-    sequence owns (past cu_seqlens_q[-1]) are left unwritten."""
+    (1: none) and `config` the Triton tiles; `cuda_decode` whether unsplit decode steps may run
+    the CUDA C++ kernel (None: as NANOVLLM_PAGED_DECODE says, and Triton's where `num_splits` or
+`config` is forced);
+    all for tests and benchmarks. Output rows that no sequence owns (past cu_seqlens_q[-1]) are
+    left unwritten."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -501,6 +504,14 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, True, block_size)
         # partitions are multiples of the key tile the kernel runs
         splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
+    if cuda_decode is None:
+        cuda_decode = forced_config is None and num_splits is None and dispatch.PAGED_DECODE == "cuda"
+    ext = cuda_decode and cuda_decode_module(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
+                                             splits, sliding_window)
+    if ext:
+        from nanovllm.kernels.cuda import paged_decode
+        return paged_decode.paged_decode(ext, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                         dependent_launch(q.get_device())["PDL"])
     kv_pack = _kv_heads_packed(k_cache, v_cache, num_heads, max_seqlen_q, num_seqs, splits)
     if kv_pack > 1:
         k_cache, v_cache = (cache.view(*cache.shape[:2], 1, kv_pack * head_dim) for cache in (k_cache, v_cache))
@@ -524,6 +535,18 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     _with_fallback(launch, config, partial, lse, True, shape_class)
     _merge_splits(partial, lse, out, block_d)
     return out
+
+
+def cuda_decode_module(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q: int, splits: int,
+                       sliding_window):
+    """The built CUDA C++ decode kernel's module where it serves this call (a decode step of an
+    unsplit grid, no window, operands kernels/cuda/paged_decode.supports takes), else None."""
+    if max_seqlen_q != 1 or splits != 1 or sliding_window or dispatch.INTERPRETER:
+        return None
+    from nanovllm.kernels.cuda import paged_decode
+    if not paged_decode.supports(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables):
+        return None
+    return paged_decode.module()
 
 
 def _kv_heads_packed(k_cache, v_cache, num_heads: int, max_seqlen_q: int, num_seqs: int, splits: int) -> int:

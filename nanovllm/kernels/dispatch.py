@@ -8,7 +8,11 @@ tensors to Triton's interpreter. "triton" never falls back: a call Triton cannot
 
 NANOVLLM_SAMPLER=triton (default) | cuda | torch picks the implementation of `sample` where the
 Triton kernels serve: the Triton kernel, the CUDA C++ one (kernels/cuda; built on first use,
-the Triton one after a warning where it cannot be), or the reference."""
+the Triton one after a warning where it cannot be), or the reference.
+
+NANOVLLM_PAGED_DECODE=cuda (default) | triton picks the kernel of paged_attention's unsplit
+decode steps where the CUDA C++ one serves them (kernels/cuda/paged_decode.py; built on first
+use, the Triton kernel after a warning where it cannot be)."""
 import functools
 import importlib
 import os
@@ -20,6 +24,7 @@ from nanovllm.kernels import reference
 
 _BACKEND_CHOICES = ("auto", "triton", "torch")
 _SAMPLER_CHOICES = ("triton", "cuda", "torch")
+_PAGED_DECODE_CHOICES = ("cuda", "triton")
 # Which module under nanovllm.kernels holds each op's Triton launcher.
 _TRITON_MODULES = {
     "silu_and_mul": "activation",
@@ -68,8 +73,16 @@ def _requested_sampler() -> str:
     return sampler
 
 
+def _requested_paged_decode() -> str:
+    kernel = os.environ.get("NANOVLLM_PAGED_DECODE", "cuda").lower()
+    if kernel not in _PAGED_DECODE_CHOICES:
+        raise ValueError(f"NANOVLLM_PAGED_DECODE must be one of {_PAGED_DECODE_CHOICES}, got {kernel!r}")
+    return kernel
+
+
 REQUESTED_BACKEND = _requested_backend()
 SAMPLER = _requested_sampler()
+PAGED_DECODE = _requested_paged_decode()
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 TRITON_UNAVAILABLE_REASON = None if REQUESTED_BACKEND == "torch" else _triton_unavailable_reason()
 KERNELS_AVAILABLE = REQUESTED_BACKEND != "torch" and TRITON_UNAVAILABLE_REASON is None

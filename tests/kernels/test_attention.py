@@ -516,7 +516,7 @@ def test_decode_packed_kv_heads_gpu(nan_empty, heads, head_dim, block_size):
     shape = [(1, n) for n in ([1, 0, 4097, 33, 512, 1024, 250] * 24)]
     case = make_case(shape, heads, head_dim, block_size, torch.bfloat16, "cuda", spare_columns=4)
     assert attention._kv_heads_packed(case.k_cache, case.v_cache, heads[0], 1, len(shape), 1) == heads[1]
-    out = check(case)
+    out = check(case, cuda_decode=False)
     assert (out[1::7] == 0).all()
 
 
@@ -626,3 +626,89 @@ def test_split_decode_grids_pipeline_deeper():
     tma_tiles = attention.TileConfig(16, 128, 4, 4, tma=True)
     assert attention.default_config(128, 2, 1, torch.bfloat16, cuda, True, 128) == tma_tiles
     assert attention.default_config(128, 2, 1, torch.bfloat16, cuda, True, 64).block_n == 64
+
+
+# --- the CUDA C++ decode kernel (kernels/cuda/paged_decode.py), heads of 64 -------------------
+
+def cuda_decode_module():
+    from nanovllm.kernels.cuda import paged_decode
+    ext = paged_decode.module()
+    if ext is None:
+        pytest.skip("the CUDA C++ kernels do not build here")
+    return paged_decode, ext
+
+
+@gpu
+@pytest.mark.parametrize("heads,block_size,dtype", [((14, 2), 16, torch.bfloat16), ((16, 1), 64, torch.bfloat16),
+                                                    ((4, 4), 32, torch.float16), ((9, 1), 256, torch.bfloat16),
+                                                    ((32, 8), 16, torch.float16), ((8, 8), 16, torch.bfloat16)])
+def test_cuda_decode_gpu(nan_empty, heads, block_size, dtype):
+    """With and without PDL, over sequences shorter than a chunk, of whole chunks, of a chunk and
+    a key, longer than one warp's 32 block ids, empty, and without a query row this step."""
+    paged_decode, ext = cuda_decode_module()
+    shape = [(1, n) for n in (1, 0, 15, 16, 17, 129, 4097, 512, 33, 300)] + [(0, 40), (1, 9000)]
+    case = make_case(shape, heads, 64, block_size, dtype, "cuda", spare_columns=3)
+    assert paged_decode.supports(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens,
+                                 case.block_tables)
+    ref = expected(case)
+    for pdl in (False, True):
+        out = paged_decode.paged_decode(ext, case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens,
+                                        case.block_tables, case.scale, pdl)
+        assert_close(out, ref, dtype)
+        assert (out[1] == 0).all()
+
+
+@gpu
+def test_cuda_decode_serves_unsplit_decode_only_gpu(nan_empty, monkeypatch):
+    """paged_attention takes the CUDA kernel for unsplit decode grids of heads of 64 and Triton
+    for split grids, prefill, windows, other head dims and forced tiles, all matching the
+    reference; q may be a view into a wider qkv tensor."""
+    paged_decode, _ = cuda_decode_module()
+    served = []
+    kernel = paged_decode.paged_decode
+    monkeypatch.setattr(paged_decode, "paged_decode", lambda *args, **kwargs: served.append(1) or kernel(*args, **kwargs))
+    decode = [(1, n) for n in (1, 0, 129, 4097, 512, 33, 300, 200)] * 20  # 160 sequences x 2 kv heads: unsplit
+    case = make_case(decode, (14, 2), 64, 16, torch.bfloat16, "cuda", spare_columns=5)
+    qkv = torch.randn(case.q.shape[0], 18, 64, device="cuda", dtype=torch.bfloat16)
+    qkv[:, :14] = case.q
+    case.q = qkv[:, :14]
+    check(case)
+    assert served == [1]
+    check(make_case(decode[:8], (14, 2), 64, 16, torch.bfloat16, "cuda"))  # split: 16 programs
+    check(case, num_splits=1)  # forced: Triton's
+    check(make_case(decode, (16, 8), 128, 16, torch.bfloat16, "cuda"))
+    check(make_case(MIXED * 30, (14, 2), 64, 16, torch.bfloat16, "cuda"))
+    check_window(make_case(decode, (14, 2), 64, 16, torch.bfloat16, "cuda", sliding_window=300))
+    assert served == [1]
+
+
+@gpu
+@pytest.mark.parametrize("keys", [[5, 17, 100, 128, 129], [700, 1000, 2000]])
+def test_cuda_decode_reads_the_steps_own_key_after_the_wait_gpu(keys):
+    """The kernel reads the keys earlier steps cached before its PDL wait and the step's own key
+    after it: captured behind store_kvcache (which writes that key), each replay with new
+    key values must see them. Short sequences put the step's key in a chunk issued before the
+    wait, long ones in a later one."""
+    paged_decode, _ = cuda_decode_module()
+    batch = 160
+    seq_lens_list = [keys[i % len(keys)] for i in range(batch)]
+    case = make_case([(1, n) for n in seq_lens_list], (14, 2), 64, 16, torch.bfloat16, "cuda")
+    block_tables = case.block_tables.long()
+    last = case.seq_lens.long() - 1
+    slot_mapping = block_tables.gather(1, (last // 16)[:, None])[:, 0] * 16 + last % 16
+    new_k, new_v = (torch.empty(batch, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def step():
+        kernels.store_kvcache(new_k, new_v, case.k_cache, case.v_cache, slot_mapping)
+        return run_public(case)
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for t in (new_k, new_v):
+        t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+    graph, out = capture(step)
+    for _ in range(3):
+        for t in (new_k, new_v):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=gen) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, expected(case), torch.bfloat16)

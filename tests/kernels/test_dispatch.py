@@ -84,11 +84,12 @@ def test_triton_never_falls_back():
     assert report["fallback_warnings"] == 0
 
 
-def test_unknown_backend_is_refused():
-    env = {**os.environ, "NANOVLLM_KERNEL_BACKEND": "cuda-please"}
+@pytest.mark.parametrize("variable", ["NANOVLLM_KERNEL_BACKEND", "NANOVLLM_PAGED_DECODE"])
+def test_unknown_choice_is_refused(variable):
+    env = {**os.environ, variable: "cuda-please"}
     done = subprocess.run([sys.executable, "-c", "import nanovllm.kernels"], env=env, capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode != 0 and "NANOVLLM_KERNEL_BACKEND" in done.stderr
+    assert done.returncode != 0 and variable in done.stderr
 
 
 def test_cpu_is_never_graph_capturable():

@@ -105,9 +105,10 @@ class Bench:
         import triton
         import triton.testing
         from benchmarks.kernel_cases import relative_error
-        from nanovllm.kernels import attention, reference
+        from nanovllm.kernels import attention, dispatch, reference
         from nanovllm.utils import timing
         self.torch, self.triton, self.attention, self.reference, self.timing = torch, triton, attention, reference, timing
+        self.dispatch = dispatch
         self.relative_error = relative_error
         self.block_size = block_size
         self.device = torch.device("cuda")
@@ -254,7 +255,7 @@ class Bench:
                "splits": self.attention.split_plan(len(spec["seq_lens"]) * num_kv_heads,
                                                     w["block_tables"].shape[1] * w["k_cache"].shape[1],
                                                     (config or self.default_config(w)).block_n, self.device)[0]}
-        cuda_kernel = config is None and self.attention.cuda_decode_module(
+        cuda_kernel = config is None and self.dispatch.PAGED_DECODE == "cuda" and self.attention.cuda_decode_module(
             w["q"], w["k_cache"], w["v_cache"], w["cu_seqlens_q"], w["seq_lens"], w["block_tables"],
             w["max_seqlen_q"], row["splits"], None) is not None
         row["kernel"] = "cuda" if cuda_kernel else "triton"

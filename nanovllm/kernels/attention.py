@@ -481,10 +481,9 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
                     config: TileConfig | None = None, cuda_decode: bool | None = None):
     """See nanovllm.kernels.paged_attention. Beyond it: `num_splits` forces the KV split count
     (1: none) and `config` the Triton tiles; `cuda_decode` whether unsplit decode steps may run
-    the CUDA C++ kernel (None: as NANOVLLM_PAGED_DECODE says, and Triton's where `num_splits` or
-`config` is forced);
-    all for tests and benchmarks. Output rows that no sequence owns (past cu_seqlens_q[-1]) are
-    left unwritten."""
+    the CUDA C++ kernel (None: as NANOVLLM_PAGED_DECODE says, and the Triton kernel where
+    `num_splits` or `config` is forced); all for tests and benchmarks. Output rows that no
+    sequence owns (past cu_seqlens_q[-1]) are left unwritten."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]

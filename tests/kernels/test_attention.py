@@ -661,8 +661,8 @@ def test_cuda_decode_gpu(nan_empty, heads, block_size, dtype):
 @gpu
 def test_cuda_decode_serves_unsplit_decode_only_gpu(nan_empty, monkeypatch):
     """paged_attention takes the CUDA kernel for unsplit decode grids of heads of 64 and Triton
-    for split grids, prefill, windows, other head dims and forced tiles, all matching the
-    reference; q may be a view into a wider qkv tensor."""
+    for split grids, prefill, windows, other head dims, caches strided along the head dim and
+    forced tiles, all matching the reference; q may be a view into a wider qkv tensor."""
     paged_decode, _ = cuda_decode_module()
     served = []
     kernel = paged_decode.paged_decode
@@ -679,6 +679,13 @@ def test_cuda_decode_serves_unsplit_decode_only_gpu(nan_empty, monkeypatch):
     check(make_case(decode, (16, 8), 128, 16, torch.bfloat16, "cuda"))
     check(make_case(MIXED * 30, (14, 2), 64, 16, torch.bfloat16, "cuda"))
     check_window(make_case(decode, (14, 2), 64, 16, torch.bfloat16, "cuda", sliding_window=300))
+    strided = make_case(decode, (14, 2), 64, 16, torch.bfloat16, "cuda")
+    for name in ("k_cache", "v_cache"):
+        cache = getattr(strided, name)
+        wide = torch.empty(*cache.shape[:3], 128, device="cuda", dtype=cache.dtype)
+        wide[..., ::2] = cache
+        setattr(strided, name, wide[..., ::2])
+    check(strided)
     assert served == [1]
 
 

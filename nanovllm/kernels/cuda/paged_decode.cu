@@ -32,9 +32,9 @@ constexpr int kChunk = 16;                    // keys a warp scores at a time: t
 constexpr int kRows = 16;                     // query heads of a group, padded to the MMA's m
 constexpr int kPieces = kHeadDim * 2 / 16;    // 16-byte pieces of a key's row (8)
 constexpr int kSlotBytes = 2 * kChunk * kHeadDim * 2;  // a chunk's K and V rows
-// 4 warps of 3 slots: 48 KB and 124 registers a thread let 4 CTAs share an SM, so 256 x 2
+// 4 warps of 3 slots: 48 KB and 128 registers a thread let 4 CTAs share an SM, so 256 x 2
 // (sequence, kv head) pairs run as one wave on 132 SMs. H200, 256 x 512 keys, 14 / 2 heads:
-// 18.5-18.9 us; 2 slots 19.3-19.8, 4 slots (3 CTAs an SM) 22.7-23.1; 2 warps of 3 or 5 slots
+// 18.4-18.9 us; 2 slots 19.3-19.8, 4 slots (3 CTAs an SM) 22.7-23.1; 2 warps of 3 or 5 slots
 // 19.6-20.7; 8 warps of 2 slots 21.4-22.8.
 constexpr int kWarps = 4;
 constexpr int kStages = 3;
@@ -93,7 +93,7 @@ __device__ __forceinline__ uint4 load_piece(const char* slot, int row, int piece
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, 4)
 paged_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                     T* __restrict__ out, const int* __restrict__ cu_seqlens_q, const int* __restrict__ seq_lens,
                     const int* __restrict__ block_tables, float qk_scale, int num_kv_heads, int group,
@@ -168,7 +168,8 @@ paged_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, cons
   // This step's key, if a chunk issued above holds it: its rows from global memory, a piece
   // a lane, into the gap the copies left.
   const int new_chunk = written / kChunk;
-  if (written >= 0 && new_chunk % kWarps == warp && new_chunk / kWarps < kStages && lane < 2 * kPieces) {
+  if (written >= 0 && written / block_size < table_width && new_chunk % kWarps == warp &&
+      new_chunk / kWarps < kStages && lane < 2 * kPieces) {
     const int row = written % kChunk, piece = lane % kPieces;
     const int64_t block = table[written / block_size];
     const int64_t slot = written % block_size;
@@ -312,6 +313,8 @@ constexpr int shared_bytes() {
   constexpr int ring = kWarps * kStages * kSlotBytes, partials = kWarps * kRows * (kHeadDim + 2) * 4;
   return ring > partials ? ring : partials;
 }
+// More would need cudaFuncSetAttribute, and would cost the fourth CTA an SM.
+static_assert(shared_bytes() <= 48 * 1024, "dynamic shared memory over the default limit");
 
 template <typename T>
 void launch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache, torch::Tensor& out,

@@ -32,14 +32,15 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
 def supports(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables) -> bool:
     """Whether the kernel serves these decode operands (kernels.paged_attention has checked
     their shapes): 16-bit floats on a GPU with bf16 tensor cores, heads of 64, at most
-    16 query heads a kv head, cache blocks of whole chunks, int32 step metadata, rows the
-    kernel can read 16 bytes at a time."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == v_cache.dtype == q.dtype
+    16 query heads a kv head, cache blocks of whole chunks, int32 step metadata, all on q's
+    device, rows the kernel can read 16 bytes at a time."""
+    return (q.is_cuda and all(t.device == q.device for t in (k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables))
+            and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == v_cache.dtype == q.dtype
             and q.shape[2] == HEAD_DIM and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
             and k_cache.shape[1] % CHUNK == 0
             and all(t.dtype == torch.int32 for t in (cu_seqlens_q, seq_lens, block_tables))
             and cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1
-            and q.stride(2) == 1 and _aligned(q, q.stride(0), q.stride(1))
+            and q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1 and _aligned(q, q.stride(0), q.stride(1))
             and _aligned(k_cache, *k_cache.stride()[:3]) and _aligned(v_cache, *v_cache.stride()[:3])
             and torch.cuda.get_device_capability(q.device) >= (8, 0))
 

@@ -1,7 +1,7 @@
 """The CUDA C++ paged decode kernel (paged_decode.cu): kernels/attention.py runs it for decode
 steps whose grid it does not split, where `supports` holds and the kernel builds; the Triton
-kernel serves everything else. Its key loop waits on no other warp and keeps the next chunk's
-loads in flight while it scores the current one, which Triton 3.6's pipeliner does not
+kernel serves everything else. Its key loop waits on no other warp and keeps three chunks'
+loads in flight a warp while it scores one, which Triton 3.6's pipeliner does not
 (docs/attention.md)."""
 import torch
 

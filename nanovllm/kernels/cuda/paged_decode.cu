@@ -88,8 +88,14 @@ __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"
 template <int N>
 __device__ __forceinline__ void wait_pending() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// Byte offset in a slot's K or V half of 16-byte piece `piece` of chunk row `row` (the layout
+// described at the top).
+__device__ __forceinline__ int piece_offset(int row, int piece) {
+  return row * kPieces * 16 + (piece ^ (row % 8)) * 16;
+}
+
 __device__ __forceinline__ uint4 load_piece(const char* slot, int row, int piece) {
-  return *reinterpret_cast<const uint4*>(slot + row * kPieces * 16 + ((piece ^ (row % 8)) * 16));
+  return *reinterpret_cast<const uint4*>(slot + piece_offset(row, piece));
 }
 
 template <typename T>
@@ -145,7 +151,7 @@ paged_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, cons
 #pragma unroll
       for (int step = 0; step < kChunk * kPieces / 32; ++step) {
         const int row = lane / kPieces + step * (32 / kPieces);
-        const int offset = row * kPieces * 16 + (((lane % kPieces) ^ (row % 8)) * 16);
+        const int offset = piece_offset(row, lane % kPieces);
         const int key = first + row;
         if (key < limit || key >= seq_len) {
           copy_async(k_slot + offset, k_rows + row * stride_kt, key < limit);
@@ -176,7 +182,7 @@ paged_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, cons
     const T* src = lane < kPieces ? k_head + block * stride_kb + slot * stride_kt
                                   : v_head + block * stride_vb + slot * stride_vt;
     char* dst = ring + (new_chunk / kWarps % kStages) * kSlotBytes + (lane < kPieces ? 0 : kSlotBytes / 2);
-    *reinterpret_cast<uint4*>(dst + row * kPieces * 16 + ((piece ^ (row % 8)) * 16)) =
+    *reinterpret_cast<uint4*>(dst + piece_offset(row, piece)) =
         *reinterpret_cast<const uint4*>(src);
   }
 

@@ -7,7 +7,8 @@ from nanovllm.engine.worker import serve_torchrun_rank
 
 
 class LLM(LLMEngine):
-    """Offline and online generation from a Hugging Face Qwen3/Qwen2 checkpoint folder.
+    """Offline and online generation from a Hugging Face checkpoint folder of Qwen3, Qwen2, Llama,
+    Mistral or Gemma (nanovllm.models.MODEL_REGISTRY).
 
     LLM(model_dir, device="auto", dtype="auto", max_num_seqs=256, max_num_batched_tokens=8192,
         max_model_len=4096, tensor_parallel_size=1, data_parallel_size=1, kvcache_block_size=128,

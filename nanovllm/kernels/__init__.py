@@ -277,8 +277,9 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     row's filters, without a sort. Tokens rank by logit, ties by lower id. min_ps[i]: keep
     tokens with p >= min_p * p_max (0: off); top_ks[i]: keep the first k ranks (outside
     [1, V): off); top_ps[i]: then keep the ranks before which less than top_p of the mass left
-    lies (1: off). The noise is keyed by seeds[i] (int64, < 2^31) and the token id alone, so a
-    row's token does not depend on the batch; argmax(logits) where temperatures[i] == 0.
+    lies (1: off); the first rank survives every filter. The noise is keyed by seeds[i] (int64,
+    < 2^31) and the token id alone, so a row's token does not depend on the batch;
+    argmax(logits) where temperatures[i] == 0.
     -inf logits are never drawn. Each filter is a [B] tensor or None (no row uses it).
 
     max_top_k: a bound, known on the host, on how many tokens top-k / top-p may keep in any row:

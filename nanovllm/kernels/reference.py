@@ -99,8 +99,8 @@ def sampling_mask(logits: torch.Tensor, temperatures: torch.Tensor, top_ks=None,
     """[B, V] bool: the tokens each row may draw. Tokens rank by logit, ties by token id (lower
     first). min-p keeps tokens with p >= min_p * p_max under softmax(logits / T); top-k keeps the
     first k ranks (k outside [1, V) keeps all); top-p then keeps the ranks, among those left,
-    before which less than top_p of their renormalised mass lies (top_p >= 1 keeps all).
-    Greedy rows (T = 0) keep everything."""
+    before which less than top_p of their renormalised mass lies (top_p >= 1 keeps all). The
+    first rank is always kept. Greedy rows (T = 0) keep everything."""
     x = logits.to(_compute_dtype(logits))
     values, order = x.sort(dim=-1, descending=True, stable=True)
     greedy = temperatures <= 0
@@ -117,6 +117,8 @@ def sampling_mask(logits: torch.Tensor, temperatures: torch.Tensor, top_ks=None,
         before = mass.cumsum(dim=-1) - mass
         p = top_ps.to(x.dtype)[:, None]
         keep &= (before < p * mass.sum(dim=-1, keepdim=True)) | (p >= 1)
+    # a top_p that float32 rounds to 0, or a +inf logit (p / p_max is NaN), would keep nothing
+    keep[:, 0] = True
     keep |= greedy[:, None]
     return torch.empty_like(keep).scatter_(1, order, keep)
 

@@ -17,9 +17,9 @@ Three launches, each reading what it needs once:
   that either select holds a few keys a thread. The top k tokens lie among the k groups' tokens
   at or above the least of their maxima: when those are at least k and fit in k_pad slots, they
   alone are written out, else a radix select of the k * 32 tokens writes exactly the top k;
-  a sort of k_pad keys ranks them. Top-k, min-p and top-p apply to the ranked list; the draw
-  adds noise to those tokens only. Other rows take their best chunk.
-  With log-probabilities, log_softmax(x / T)[token] from the chunk sums.
+  a sort of k_pad keys ranks them. Top-k, min-p and top-p apply to the ranked list, whose first
+  rank they always keep; the draw adds noise to those tokens only. Other rows take their best
+  chunk. With log-probabilities, log_softmax(x / T)[token] from the chunk sums.
 
 The noise of token t of a row depends on (seed, t) alone: Philox 4x32 (7 rounds, the fewest
 that pass BigCrush) at counter t - t % 4n + t % n, output (t % 4n) // n, where the noise block
@@ -83,8 +83,8 @@ def _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_pt
     top_p = tl.cast(1.0, tl.float32)
     min_p = tl.cast(0.0, tl.float32)
     if HAS_TOP_K:
-        top_k = tl.load(top_ks_ptr + row).to(tl.int32)
-        top_k = tl.where((top_k >= 1) & (top_k < vocab), top_k, 0)
+        top_k = tl.load(top_ks_ptr + row)  # checked before the cast: an int64 k past the vocabulary is off
+        top_k = tl.where((top_k >= 1) & (top_k < vocab), top_k, 0).to(tl.int32)
     if HAS_TOP_P:
         top_p = tl.load(top_ps_ptr + row).to(tl.float32)
     if HAS_MIN_P:
@@ -186,7 +186,8 @@ def _keep_better(best, best_index, x, cols):
 @triton.jit
 def _min_p_noisy(row_ptr, cols, vocab, row_max, temperature, floor, scale, u, U_MAX: tl.constexpr):
     x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-    kept = ((x - row_max) / temperature >= floor) & (x > float("-inf"))
+    # the row's max is kept where p / p_max is NaN (a +inf max) and where every logit is -inf
+    kept = (x == row_max) | (((x - row_max) / temperature >= floor) & (x > float("-inf")))
     return tl.where(kept, x * scale + _gumbel2(u, U_MAX), float("-inf"))
 
 
@@ -399,6 +400,8 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
                 mass = tl.where(keep, tl.exp(z), 0.0)
                 before = tl.cumsum(mass, axis=0) - mass
                 keep &= before < tl.where(top_p < 1, top_p * tl.sum(mass, axis=0), float("inf"))
+            # the first rank always survives: a top_p that float32 rounds to 0 or a +inf logit (z NaN) would keep none
+            keep |= slots == 0
             seed = tl.load(seeds_ptr + row)
             noisy = tl.where(keep, x * (LOG2E / temperature) + _token_noise(seed, ids, NOISE_BLOCK, ROUNDS, U_MAX),
                              float("-inf"))

@@ -336,6 +336,67 @@ def test_a_bound_of_one_token_is_greedy(target):
     assert torch.equal(tokens, x.argmax(-1))
 
 
+# float32 top_p: 1e-50 and 0 round to 0, 1e-45 to the least subnormal; none keeps a second token
+TINY_TOP_PS = [1e-50, 0.0, 1e-45, 1e-40]
+
+
+def test_reference_top_p_that_rounds_to_zero_is_greedy():
+    x = torch.randn(4, 50)
+    top_ps = torch.tensor(TINY_TOP_PS)
+    keep = reference.sampling_mask(x, torch.ones(4), top_ps=top_ps)
+    assert torch.equal(keep, torch.nn.functional.one_hot(x.argmax(-1), 50).bool())
+    tokens, _ = reference.sample(x, torch.ones(4), torch.arange(4), top_ps=top_ps)
+    assert torch.equal(tokens, x.argmax(-1))
+
+
+def infinite_rows(vocab: int) -> torch.Tensor:
+    """Rows whose p / p_max is undefined somewhere: every logit -inf, one +inf, two +inf."""
+    x = torch.randn(3, vocab)
+    x[0] = float("-inf")
+    x[1, 7] = x[2, 3] = x[2, 9] = float("inf")
+    return x
+
+
+def test_reference_min_p_keeps_the_most_likely_token_of_infinite_rows():
+    x = infinite_rows(50)
+    tokens, _ = reference.sample(x, torch.ones(3), torch.arange(3), min_ps=torch.full((3,), 0.5))
+    assert tokens.tolist() == [0, 7, 3]
+
+
+@pytest.mark.parametrize("target", kernel_targets())
+@pytest.mark.parametrize("max_top_k", [32, None], ids=["sort_free", "sorted"])
+def test_kernel_top_p_that_rounds_to_zero_is_greedy(target, max_top_k):
+    """600 tokens: max_top_k None bounds the rows by the vocabulary, past SORT_FREE_TOP_K."""
+    device, sample = implementation(target)
+    torch.manual_seed(4)
+    x = torch.randn(4, 600, device=device)
+    tokens, _ = sample(x, torch.ones(4, device=device), torch.arange(4, device=device),
+                       top_ps=torch.tensor(TINY_TOP_PS, device=device), max_top_k=max_top_k)
+    assert torch.equal(tokens, x.argmax(-1))
+
+
+@pytest.mark.parametrize("target", kernel_targets())
+def test_kernel_min_p_keeps_the_most_likely_token_of_infinite_rows(target):
+    device, sample = implementation(target)
+    x = infinite_rows(300).to(device)
+    tokens, _ = sample(x, torch.ones(3, device=device), torch.arange(3, device=device),
+                       min_ps=torch.full((3,), 0.5, device=device))
+    assert tokens.tolist() == [0, 7, 3]
+
+
+@pytest.mark.parametrize("target", kernel_targets())
+def test_kernel_top_k_past_int32_keeps_every_token(target):
+    """200 tokens, no bound: the rows filter without a sort. Cast to int32 first, these k would
+    read 1 and 5."""
+    device, sample = implementation(target)
+    torch.manual_seed(5)
+    x, temperatures, seeds = (torch.randn(8, 200, device=device), torch.ones(8, device=device),
+                              torch.arange(8, device=device))
+    top_ks = torch.tensor([2**32 + 1, 2**62 + 5] * 4, device=device)
+    tokens, _ = sample(x, temperatures, seeds, top_ks)
+    assert tokens.cpu().tolist() == replay(x, temperatures, seeds).tolist()
+
+
 @pytest.mark.triton_interpret
 def test_interpreted_kernel_follows_the_filtered_distribution():
     """200 draws of the Triton kernel itself with every filter: chi-square's 0.999 quantile."""

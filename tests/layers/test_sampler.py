@@ -31,6 +31,12 @@ def test_filters_reach_the_kernel():
     assert torch.equal(min_p, logits.argmax(-1))
 
 
+def test_a_top_p_that_rounds_to_zero_in_float32_takes_the_argmax():
+    logits = torch.randn(3, 64)
+    tokens, _ = Sampler()(logits, torch.ones(3), seeds(3), top_ps=torch.tensor([1e-50, 0.0, 1e-45]))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
 def test_greedy_rows_with_filters_still_take_the_argmax():
     logits = torch.randn(3, 64)
     tokens, _ = Sampler()(logits, torch.zeros(3), seeds(3), torch.full((3,), 10), torch.full((3,), 0.5))

@@ -221,7 +221,8 @@ __global__ void __launch_bounds__(kThreads) min_p_draw_kernel(
     for (int p = 0; p < 4; ++p) {
       const int col = base + p * noise_block + j;
       const float x = col < vocab ? to_float(row_ptr[col]) : -kInf;
-      if (x > -kInf && (x - s.max) / r.temperature >= floor)
+      // the row's max is kept where p / p_max is NaN (a +inf max) and where every logit is -inf
+      if (x == s.max || (x > -kInf && (x - s.max) / r.temperature >= floor))
         keep_better(best, x * scale + gumbel2(component(bits, p)), col);
     }
   }
@@ -358,12 +359,14 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(
       __syncthreads();
       keep = keep && before < r.top_p * total;
     }
+    // the first rank always survives: a top_p that float32 rounds to 0 or a +inf logit (z NaN) would keep none
+    keep = keep || t == 0;
     Best pick{-kInf, kThreads};
     if (keep) pick = {x * (kLog2e / r.temperature) + token_noise(static_cast<uint64_t>(seeds[row]), id, noise_block), t};
     pick = FinalizeShared::ReduceBest(s.temp.best).Reduce(pick, BetterOf());
     if (t == 0) s.count = pick.index;
     __syncthreads();
-    if (t == (s.count < kThreads ? s.count : 0)) s.token = id;  // nothing kept (all -inf): rank 0
+    if (t == s.count) s.token = id;
     __syncthreads();
   }
   if (t == 0) tokens[row] = s.token;

@@ -8,6 +8,7 @@ import numpy as np
 # and long before that a draw is all but certain to be the argmax.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # most likely tokens a request may ask log-probabilities of, OpenAI's bound
+MAX_TOP_K = 2**63 - 1  # top_k travels to the sampler in an int64 tensor
 
 
 @dataclass(slots=True)
@@ -15,16 +16,19 @@ class SamplingParams:
     """How to pick each next token.
 
     temperature: >= 0, finite; any temperature below GREEDY_TEMPERATURE (1e-5), 0 included,
-    takes the most likely token. top_k: keep the k most likely tokens; -1 keeps all. top_p:
-    in (0, 1], keep the smallest set of most likely tokens whose probability reaches top_p; 1
-    keeps all. min_p: in [0, 1], the least probability a token needs, as a fraction of the most
-    likely token's; 0 keeps all. max_tokens: at most this many output tokens (>= 1); output
-    also ends when prompt + output reach the engine's max_model_len. ignore_eos: keep going
-    past EOS. stop_token_ids: token ids (>= 0) that end the output. seed: any integer; with a
-    seed, a request's tokens do not depend on the run or on its batch. logprobs: None asks
-    for none; N in [0, 20] asks, for each output token, for the log-probability of the sampled
-    token and of the N most likely tokens, under log_softmax(logits / T) with T = 1 for greedy
-    rows (the distribution before top-k, top-p and min-p).
+    takes the most likely token. top_k: keep the k most likely tokens; -1, or k at least the
+    vocabulary size, keeps all; at most MAX_TOP_K (2**63 - 1). top_p: in (0, 1], keep the
+    smallest set of most likely tokens whose probability reaches top_p; 1 keeps all, and a top_p
+    too small for float32 keeps the most likely token alone. min_p: in [0, 1], the least
+    probability a token needs, as a fraction of the most likely token's; 0 keeps all. Every
+    filter keeps the most likely token. max_tokens: at most this many output tokens (>= 1, any
+    size); output also ends when prompt + output reach the engine's max_model_len. ignore_eos:
+    keep going past EOS. stop_token_ids: token ids (>= 0, below the vocabulary size: the engine
+    checks) that end the output. seed: any integer; with a seed, a request's tokens do not
+    depend on the run or on its batch. logprobs: None asks for none; N in [0, 20] asks, for
+    each output token, for the log-probability of the sampled token and of the N most likely
+    tokens, under log_softmax(logits / T) with T = 1 for greedy rows (the distribution before
+    top-k, top-p and min-p).
 
     Every field is checked on construction: a wrong type or range raises ValueError naming
     it. Integer fields take Python or numpy integers, float fields also take integers; bools
@@ -45,8 +49,8 @@ class SamplingParams:
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
         self.top_k = _integer("top_k", self.top_k)
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k: must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k == 0 or not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k: must be -1 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
         self.top_p = _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")

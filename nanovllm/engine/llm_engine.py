@@ -1,5 +1,6 @@
 """The request-level engine: validates and tokenizes prompts, queues them, and runs steps of
 schedule -> forward + sample -> record until every request is done."""
+import dataclasses
 import itertools
 import json
 import operator
@@ -106,10 +107,20 @@ class LLMEngine:
                              f"max_model_len={self.config.max_model_len} (prompt + output <= max_model_len)")
         return token_ids
 
-    def _new_sequence(self, prompt, params: SamplingParams | None) -> Sequence:
+    def _sampling_params(self, params: SamplingParams | None) -> SamplingParams:
+        """The request's SamplingParams, checked against the vocabulary. A top_k of the whole
+        vocabulary or more becomes -1: it keeps every token, and the sampler's tensors then
+        hold no k beyond the vocabulary."""
         params = params if params is not None else SamplingParams(**self.sampling_defaults)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        vocab = self.config.hf_config.vocab_size
+        if not all(t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab}), got {params.stop_token_ids}")
+        return dataclasses.replace(params, top_k=-1) if params.top_k >= vocab else params
+
+    def _new_sequence(self, prompt, params: SamplingParams | None) -> Sequence:
+        params = self._sampling_params(params)
         return Sequence(next(self._request_ids), self._prompt_token_ids(prompt), params)
 
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:

@@ -26,11 +26,13 @@ BAD_REQUESTS = {
     "top_p_above_one": (["Hi"], {"top_p": 1.5}, "top_p"),
     "top_k_zero": (["Hi"], {"top_k": 0}, "top_k"),
     "top_k_below_minus_one": (["Hi"], {"top_k": -2}, "top_k"),
+    "top_k_past_int64": (["Hi"], {"top_k": 2**63}, "top_k"),  # the sampler's top-k tensor is int64
     "temperature_string": (["Hi"], {"temperature": "1"}, "temperature"),
     "max_tokens_bool": (["Hi"], {"max_tokens": True}, "max_tokens"),
     "min_p_above_one": (["Hi"], {"min_p": 1.5}, "min_p"),
     "stop_token_ids_bare_int": (["Hi"], {"stop_token_ids": 5}, "stop_token_ids"),
     "stop_token_ids_negative": (["Hi"], {"stop_token_ids": [-1]}, "stop_token_ids"),
+    "stop_token_ids_past_vocab": (["Hi"], {"stop_token_ids": [3, VOCAB_SIZE]}, "stop_token_ids"),
     "seed_string": (["Hi"], {"seed": "x"}, "seed"),
     "logprobs_above_20": (["Hi"], {"logprobs": 21}, "logprobs"),
     "logprobs_negative": (["Hi"], {"logprobs": -1}, "logprobs"),
@@ -99,7 +101,44 @@ def test_bad_online_request_queues_nothing(llm, reference, greedy):
         llm.add_request([], greedy(6))
     with pytest.raises(ValueError, match="prompt"):
         llm.add_request("x" * 400, greedy(6))  # far more tokens than MAX_MODEL_LEN
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.add_request("Hi", greedy(6, stop_token_ids=[VOCAB_SIZE + 5]))
     assert_serves_correctly(llm, reference, greedy)
+
+
+def test_huge_legal_integers_run_as_their_meaning(llm, reference, greedy, monkeypatch):
+    """top_k up to 2**63 - 1 reaches the sampler as no top-k: the same tokens as top_k=-1, and
+    no top-k tensor (whose int64 2**62 would also send each step through a sort). max_tokens
+    and seed take any size: one is compared on the host, the other hashed."""
+    from nanovllm import SamplingParams, kernels
+
+    sample, sent = kernels.sample, []
+
+    def recording_sample(logits, temperatures, seeds, top_ks=None, *args, **kwargs):
+        sent.append(top_ks)
+        return sample(logits, temperatures, seeds, top_ks, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "sample", recording_sample)
+    prompt = reference("qwen3_tied").ids(GOOD_PROMPTS[0])
+    params = [SamplingParams(max_tokens=2**70, seed=-(2**70), ignore_eos=True, top_k=k)
+              for k in (-1, VOCAB_SIZE, 2**62, 2**63 - 1)]
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    assert sent and all(top_ks is None for top_ks in sent)
+    assert all(out["token_ids"] == outs[0]["token_ids"] for out in outs)
+    assert outs[0]["finish_reason"] == "length" and len(prompt) + len(outs[0]["token_ids"]) == MAX_MODEL_LEN
+    assert_serves_correctly(llm, reference, greedy)
+
+
+def test_sampling_params_bound_top_k_by_int64():
+    from nanovllm import SamplingParams
+    from nanovllm.sampling_params import MAX_TOP_K
+
+    assert MAX_TOP_K == torch.iinfo(torch.int64).max
+    assert SamplingParams(top_k=MAX_TOP_K).top_k == MAX_TOP_K
+    for top_k in (MAX_TOP_K + 1, np.uint64(2**63), 10**30):
+        with pytest.raises(ValueError) as err:
+            SamplingParams(top_k=top_k)
+        assert str(err.value).startswith("top_k: ")
 
 
 # ---- model folder errors: raised by the constructor ----

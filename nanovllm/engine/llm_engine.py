@@ -79,7 +79,6 @@ class LLMEngine:
         # here between steps while the next is prepared. A step leaves only once recorded, so an
         # interrupt while waiting for its tokens loses nothing.
         self._in_flight: deque[tuple[ScheduledBatch, SampledTokens]] = deque()
-        self.last_step_tokens = (0, 0)  # (prefill, decode) tokens computed by the last step
         self._prefill_rate = self._decode_rate = 0.0  # tokens/s of the last step of each kind, for tqdm
 
     # --- requests --------------------------------------------------------------------------
@@ -148,28 +147,31 @@ class LLMEngine:
         outputs, self._undelivered = self._undelivered, []  # after the step: kept if it raised
         return outputs
 
-    def _advance(self, own: set, finished: dict) -> None:
+    def _advance(self, own: set, finished: dict) -> tuple[int, int]:
         """Launches the next step if one can run, then records every step launched before it:
         step N + 1 is queued before step N's tokens are read, so the device does not wait for
-        the host between steps. Requests in `own` (a generate() call's) land in `finished` when they finish; every other
-        request that receives a token gets an output in `_undelivered`, for step()."""
-        launched = not self.scheduler.is_finished() and self._launch()
-        if not launched and not self._in_flight and not self.scheduler.is_finished():
+        the host between steps. Requests in `own` (a generate() call's) land in `finished` when
+        they finish; every other request that receives a token gets an output in
+        `_undelivered`, for step(). Returns the (prefill, decode) tokens of the step launched,
+        (0, 0) when none was."""
+        launched = None if self.scheduler.is_finished() else self._launch()
+        if launched is None and not self._in_flight and not self.scheduler.is_finished():
             raise RuntimeError("scheduler produced an empty step while requests are pending")
-        while len(self._in_flight) > launched:
+        while len(self._in_flight) > (launched is not None):
             self._collect_oldest(own, finished)
+        return launched or (0, 0)
 
-    def _launch(self) -> bool:
-        """Schedules a batch and queues it on the device; False if nothing can run until the
-        steps in flight are recorded."""
+    def _launch(self) -> tuple[int, int] | None:
+        """Schedules a batch and queues it on the device; returns its (prefill, decode) tokens,
+        or None if nothing can run until the steps in flight are recorded."""
         batch = self.scheduler.schedule()
         if not batch:
-            return False
-        self.last_step_tokens = self._count_tokens(batch)
+            return None
+        tokens = self._count_tokens(batch)  # before launched() moves the sequences on
         sampled = self.model_runner.launch(batch)
         self.scheduler.launched(batch)
         self._in_flight.append((batch, sampled))
-        return True
+        return tokens
 
     def _collect_oldest(self, own: set, finished: dict) -> None:
         """Waits for the oldest launched step's tokens and records them. Outputs of `own`
@@ -233,15 +235,17 @@ class LLMEngine:
             try:
                 while len(outputs) < len(own):
                     started = time.perf_counter()
-                    self._advance(own, outputs)
+                    launched = self._advance(own, outputs)
                     bar.update(len(outputs) - bar.n)
-                    self._show_throughput(bar, time.perf_counter() - started)
+                    self._show_throughput(bar, launched, time.perf_counter() - started)
             finally:
                 while self._in_flight:  # nothing launched is left unrecorded, even on an error
                     self._collect_oldest(own, outputs)
 
-    def _show_throughput(self, bar, seconds: float) -> None:
-        prefill, decode = self.last_step_tokens
+    def _show_throughput(self, bar, launched: tuple[int, int], seconds: float) -> None:
+        """Each kind's rate: the tokens of the step a loop turn launched over the turn's time. A
+        turn that launched nothing (the last, which only records) leaves the rates as they were."""
+        prefill, decode = launched
         if prefill:
             self._prefill_rate = prefill / seconds
         if decode:

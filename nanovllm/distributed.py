@@ -49,8 +49,9 @@ def init(rank: int, world_size: int, device: torch.device, store: dist.Store | N
 
 
 # After a rank dies, NCCL's abort stops this rank's waiting kernels at once (the stream drains)
-# but may then wait without end to free what the lost rank shared (two H200s, NCCL 2.28: still
-# waiting 15 s later). close() waits this long for it, then leaves it running in its thread.
+# but may then wait without end to free what the lost rank shared
+# (docs/performance.md#tensor-and-data-parallelism). close() waits this long for it, then
+# leaves it running in its thread.
 ABORT_WAIT_S = 10.0
 _abandoned: threading.Thread | None = None
 

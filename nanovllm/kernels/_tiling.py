@@ -33,8 +33,7 @@ def rows_per_program(n_rows: int, row_elements: int, programs_per_row: int = 1,
 def num_warps(tile_elements: int, programs: int, per_thread: int = 16, most: int = 16) -> int:
     """`per_thread` values a thread (16: two 16-byte vectors of bf16), 1 to 16 warps; 8 (one
     vector) for grids of fewer than four programs an SM (decode sizes), where a call lasts
-    about as long as one program's chain of loads and more threads shorten it (H200 sweeps:
-    one 1024-element row 1.5 against 1.8 us; 256 rows of fused_add_rms_norm
-    2.0 against 2.5). At most `most` warps."""
+    about as long as one program's chain of loads and more threads shorten it (sweeps in
+    docs/rejected.md). At most `most` warps."""
     per_thread = 8 if programs < 2 * MIN_PROGRAMS else per_thread
     return min(most, max(1, tile_elements // (32 * per_thread)))

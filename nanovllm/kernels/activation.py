@@ -13,8 +13,8 @@ from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 _MAX_BLOCK_C = 1024  # divides the real hidden sizes (1024..8192, 3072) without a ragged tail
-# Half the shared rule's tile: three H200 sweeps found it faster for silu_and_mul and
-# fused_add_gelu at 256 and 4096 rows, by about 5% (docs/kernels.md, "Launch rule").
+# Half the shared rule's tile: three sweeps found it faster for silu_and_mul and
+# fused_add_gelu at 256 and 4096 rows (docs/rejected.md).
 _TILE_ELEMENTS = 2048
 
 
@@ -39,9 +39,9 @@ _GELU_TANH_B = tl.constexpr(-2 * 0.7978845608028654 * 0.044715 * 1.4426950408889
 def _gelu(x, APPROXIMATE: tl.constexpr):
     if APPROXIMATE == "tanh":
         # One exp2 and one division: 6 instructions an element fewer than the sigmoid form
-        # (sm_90 SASS of fused_add_gelu, 424 -> 328 for a thread's 16 elements). At H200
-        # bandwidth its arithmetic takes as long as its memory traffic: 4096 x 4096 went
-        # 18.2 -> 17.9 us, 32768 x 4096 136 -> 128 us.
+        # (sm_90 SASS of fused_add_gelu, 328 rather than 424 for a thread's 16 elements). At
+        # H200 bandwidth its arithmetic takes as long as its memory traffic, so the shorter
+        # form is faster (docs/rejected.md).
         return x / (1.0 + tl.exp2(x * (_GELU_TANH_A + _GELU_TANH_B * x * x)))
     else:
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
@@ -103,8 +103,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _launch(kernel, n_rows: int, n_cols: int, *args, per_thread: int = 8, **constexprs) -> None:
     """Runs `kernel` over a [n_rows, n_cols] problem in tiles of BLOCK_R rows x BLOCK_C columns,
     `per_thread` values a thread on full grids. 8 (one 16-byte vector: 8 warps for a
-    2048-element tile): three sweeps (H100, H200) agreed on it for silu_and_mul and
-    element_wise_mul_add at 4096 rows, by 1-3%; fused_add_gelu's favoured 4 warps."""
+    2048-element tile): three sweeps agreed on it for silu_and_mul and element_wise_mul_add at
+    4096 rows; fused_add_gelu's favoured 4 warps (docs/rejected.md)."""
     block_c = min(next_power_of_2(n_cols), _MAX_BLOCK_C)
     col_blocks = cdiv(n_cols, block_c)
     block_r = rows_per_program(n_rows, block_c, col_blocks, _TILE_ELEMENTS)

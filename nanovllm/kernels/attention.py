@@ -18,21 +18,21 @@ from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fas
 
 _LOG2E = 1.4426950408889634
 # Splitting aims at this many working programs per SM: one program's loads in flight while
-# another computes, and long splits, few partials (H200 split sweep, docs/attention.md: 32
-# splits of 1 x 32768 beat 24 to 64).
+# another computes, and long splits, few partials (more splits measured slower:
+# docs/rejected.md).
 _PROGRAMS_PER_SM = 2
 # Fewest keys per split (two decode key tiles), so that a short sequence does not spread over
 # programs that each load a tile or two.
 _MIN_PARTITION = 128
 # The merge runs one warp a (token, head), each thread holding _MERGE_PER_THREAD fp32 values
 # of a (splits x head dim) tile: 32 splits of head dim 128, every split of a column in one
-# thread, so the sums over splits need no step across warps (H200, 1 x 32768: 39.2 against
-# 40.6 us with a 4-warp tile; 1 x 640: 7.4 against 8.7 us). More splits come a tile at a time.
+# thread, so the sums over splits need no step across warps (a 4-warp tile measured slower:
+# docs/rejected.md). More splits come a tile at a time.
 _MERGE_PER_THREAD = 128
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 # Sequence x kv-head pairs whose query tiles run together (_pair_and_tile): 4 pairs of 2048
-# keys hold 4 MB of bf16 K and V, well inside an H100/H200's 50 MB L2. H200, prefill 8 x 2048:
-# 362 TFLOP/s in launch order, 384-391 in groups of 4, 379-388 in groups of 8 or 16.
+# keys hold 4 MB of bf16 K and V, well inside a Hopper's 50 MB L2. Launch order and groups of
+# 8 or 16 measured slower (docs/rejected.md).
 PAIRS_PER_GROUP = 4
 # Decode programs take every kv head of a sequence where their keys fit a row this wide, the
 # query heads one tile of this many rows, and a cache block holds whole key tiles of the packed
@@ -41,13 +41,11 @@ _PACKED_ROW = 128
 _PACKED_QUERY_HEADS = 16
 _PACKED_MIN_BLOCK = 64
 # Unsplit decode programs load their first key tile before the PDL wait for head dims up to
-# this (H200, 256 x 512 keys, 14 / 2 heads of 64, blocks of 16: 21.8 -> 20.3 us). With heads of
-# 128 the tile held across the wait took the kernel from 127 to 155 registers a thread, a
-# program fewer an SM: 64 x 1,000 keys 65.6 -> 80.1 us, 256 x 1,024 246 -> 262 us.
+# this. With heads of 128 the tile held across the wait took the kernel from 127 to 155
+# registers a thread, a program fewer an SM, and measured slower (docs/rejected.md).
 _PRELOAD_MAX_HEAD_DIM = 64
 # With the first tile loaded early the loops have one tile fewer, and two stages keep pace
-# (H200, 14 / 2 heads of 64, blocks of 16, 256 x 512 keys: 20.56 -> 20.02 us; 256 x 1,024:
-# 36.88 -> 36.02; 256 x 200: 9.88 -> 9.78).
+# (three measured slower: docs/rejected.md).
 _PRELOAD_STAGES = 2
 
 
@@ -413,22 +411,20 @@ def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dt
         block_m = max(16, next_power_of_2(group))
         if split and block_d <= 128 and block_size >= 128 and block_size % 128 == 0:
             # A split grid has room on each SM for deep pipelines: key tiles of 128 by TMA,
-            # 4 stages (1 x 32768: 38.0 against 38.9 us with the gathered 64-key tiles below).
+            # 4 stages (faster than the gathered 64-key tiles below: docs/rejected.md).
             return TileConfig(block_m, 128, 4, 4, tma=True)
-        # Split: 5 stages (1 x 32768: 76% of copy bandwidth against 70% with 3). Unsplit grids
-        # need their programs two an SM, which 5 stages would halve (64 x 1000: 83% against
-        # 96%; H200, docs/attention.md).
+        # Split: 5 stages, faster than 3. Unsplit grids need their programs two an SM, which 5
+        # stages would halve (both measured: docs/rejected.md).
         stages = 5 if split and block_d <= 128 else 3
         if not split and block_d <= 64:
             # Heads of 64 leave a program little to read: 128-key tiles halve its loop trips
-            # (256 x 512 keys, 14/2 heads, blocks of 16: 74% of copy against 65% with 64-key
-            # tiles; 256 x 1024: 85% against 73%; H200).
+            # (64-key tiles measured slower: docs/rejected.md).
             return TileConfig(block_m, 128, 4, 3)
         return TileConfig(block_m, 64 if block_d <= 128 else 32, 4, stages)
     if block_d <= 64:
         return TileConfig(128, 64, 4, 3, tma=True)
     if block_d <= 128:
-        # 5 stages: 336 against 276 TFLOP/s with 3; TMA: 370 against 336 (H200 prefill)
+        # 5 stages and TMA: each measured faster on prefill than without (docs/rejected.md)
         return TileConfig(128, 64, 8, 5, tma=True)
     return TileConfig(128, 32, 8, 2)
 
@@ -457,10 +453,10 @@ def split_plan(programs: int, max_kv: int, block_n: int, device: torch.device,
     sequence's keys into at most `splits` partitions of at least that many keys, multiples of
     block_n (its key tiles rely on starting at multiples of BLOCK_N). Splits only when the
     unsplit grid fills less than one wave, then aims at _PROGRAMS_PER_SM programs per SM,
-    rounded down to a power of two so that the merge loads whole tiles of splits (1 x 32768 on
-    8 kv heads: 32 splits, not 33, whose merge took a 64-split tile: 4.1 against 2.9 us on
-    an H200). At least `min_keys` keys a split, rounded up to key tiles; a forced `num_splits`
-    (tests, benchmarks) may cut as fine as one key tile."""
+    rounded down to a power of two so that the merge loads whole tiles of splits (33 splits'
+    merge takes a 64-split tile, measured slower: docs/rejected.md). At least `min_keys` keys a
+    split, rounded up to key tiles; a forced `num_splits` (tests, benchmarks) may cut as fine as
+    one key tile."""
     min_partition = block_n
     if num_splits is None:
         sms = _multiprocessor_count(device)
@@ -553,8 +549,8 @@ def _kv_heads_packed(k_cache, v_cache, num_heads: int, max_seqlen_q: int, num_se
     keys fit one 128-wide row (2 heads of 64: Qwen2.5-0.5B) and every query head one tile, so
     a program reads each key's heads as one contiguous row and the grid has a program a
     sequence; only for grids that stay one program an SM or more unsplit, and for blocks that
-    hold whole 64-key tiles (H200, 256 x 512 keys, 14 / 2 heads of 64: blocks of 128 25.2 ->
-    22.4 us; blocks of 16, whose tiles gather rows of several blocks, 22.1 -> 25.0 us)."""
+    hold whole 64-key tiles (faster there; slower in blocks of 16, whose tiles gather rows of
+    several blocks: docs/rejected.md)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if not (max_seqlen_q == 1 and splits == 1 and 1 < num_kv_heads and num_kv_heads * head_dim <= _PACKED_ROW
             and block_size >= _PACKED_MIN_BLOCK

@@ -3,11 +3,11 @@ Qwen3's per-head q/k norms (optional), rotary, the write of the step's key and v
 paged cache, and attention over the cache split across programs. Decode steps whose grid is
 split at least _MIN_SPLITS ways (a few sequences) run it, then the split merge; other steps
 (prefill, chunked prefill, mixed batches, larger decode batches) take qk_norm_rope_store and
-paged attention. docs/attention.md has the design and the measurements.
+paged attention. docs/attention.md has the design, docs/performance.md the measurements.
 
 At those sizes a kernel's cost is mostly its fixed latency, so the layer's separate
-qk_norm_rope_store launch is the saving (Qwen3-0.6B shape, batch 1 at 1k keys, H200: 204 -> 176
-kernels and 713 -> 681 us of GPU busy time a step). Every key a program reads from the cache
+qk_norm_rope_store launch is the saving (its kernels and busy time a step against the two
+kernels: docs/rejected.md). Every key a program reads from the cache
 but the step's own was written by an earlier step, so the first key tile of a split loads
 before the wait for the qkv projection (programmatic dependent launch); the step's own key
 comes from registers and is stored once, by the program whose split holds it."""
@@ -23,12 +23,11 @@ from nanovllm.kernels.qk_norm_rope import _norm_rope, qk_norm_rope_store
 
 # Planned splits from which decode steps take the fused kernel. Its key tiles are gathered 64
 # keys at a time in head halves, and over long splits they stream slower than paged
-# attention's 128-key tiles: H200, Qwen3-0.6B shape, step time fused against two kernels,
-# batch 1 (32 splits) 0.709 / 0.731 ms at 1k keys, 1.606 / 1.601 at 32k; batch 4 (8 splits)
-# 1.058 / 1.118 and 4.400 / 4.329; batch 16 (2 splits) 1.573 / 1.603 and 14.82 / 14.19.
+# attention's 128-key tiles, so steps split fewer ways keep the two kernels (the step times
+# both ways: docs/rejected.md).
 _MIN_SPLITS = 8
-_NUM_STAGES = 3  # of 2 to 5, 3 and 4 the fastest (5: batch 4 x 32k 4.40 -> 5.41 ms)
-_NUM_WARPS = 4  # 8: batch 1 x 32k 1.606 -> 1.690 ms
+_NUM_STAGES = 3  # of 2 to 5, 3 and 4 the fastest (5 measured: docs/rejected.md)
+_NUM_WARPS = 4  # 8 measured slower (docs/rejected.md)
 
 
 def _block_n(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:

@@ -1,6 +1,6 @@
 """Triton kernel for linear layers of a few rows: y = x W^T (+ b), x [M <= 16, K], W [N, K],
 the projections and LM head of decode batches. At such sizes a matmul is a read of W: a few
-MB a projection, 1-3 us at HBM bandwidth, which cuBLAS's small-M kernels take 5-13 us for
+MB a projection, which cuBLAS's small-M kernels take several times its read time for
 (docs/performance.md#small-batch-gemv).
 
 Programs own BLOCK_N output features and a run of K ("split-K", as many runs as _splits
@@ -18,12 +18,12 @@ not run at once on two streams of a device.
 One or two rows of x (decode of one or two sequences) go to a second kernel where a few rows
 of W fit a program's registers: each program owns a handful of output features and all of K,
 loads them before its wait, and sums the products on the CUDA cores. Nothing is split, so
-there are no partials and no counter to wait on after the input arrives (H200, Qwen3-0.6B:
-decode step 0.991 -> 0.858 ms at one sequence; Qwen3-8B 4.61 -> 4.23 ms; two sequences
-1.010 -> 0.974 ms). At four rows the products outweigh what the split saved (1.135 -> 1.298
-ms). The kernel can also compute its input: the decoder's RMSNorm (with the residual add)
-before qkv and gate_up, and the gated activation before down (norm_linear, act_linear), so
-those kernels disappear from small decode steps.
+there are no partials and no counter to wait on after the input arrives: decode steps of one
+and two sequences are shorter than on the split-K kernel. At four rows the products outweigh
+what the split saved (both measured: docs/rejected.md). The kernel can also compute its
+input: the decoder's RMSNorm (with the residual add) before qkv and gate_up, and the gated
+activation before down (norm_linear, act_linear), so those kernels disappear from small
+decode steps.
 
 No kernel of the package writes weights, so each program reads its first weight tile before
 it waits for the kernel before it (programmatic dependent launch, launch.py): the read
@@ -53,8 +53,8 @@ _BLOCK_N = 64  # the M side of a Hopper wgmma
 _TILE_BYTES = 16 << 10  # weight bytes a program reads per step
 _MAX_TILES_SPLIT = 4096  # counters per device: feature tiles a split call may have
 # Weight tiles a program reads up to which it runs unpipelined: its pipeline's shared memory
-# (3 stages of 16 KB) bought nothing there, and without it decode steps were shorter (H200,
-# same run: Qwen3-0.6B batch 1 1.041 -> 0.990 ms, Qwen3-8B batch 1 4.749 -> 4.600 ms).
+# (3 stages of 16 KB) bought nothing there, and without it decode steps were shorter
+# (docs/rejected.md).
 _UNPIPELINED_TILES = 4
 _MAX_SPLITS = 32  # partials the last program's unrolled reduction adds
 _LINE = 128  # bytes an L2 prefetch fetches
@@ -69,14 +69,13 @@ _ROW_WARPS = 4
 # norm_linear(leave_room=True): at most this many programs an SM, where the grid fits so. At 64
 # registers a thread eight would fit, and qkv's programs, starting as the kernel before leaves,
 # filled the SMs that freed first and left the decode attention after them no room to start
-# and read its first key tile before its wait (H200, Qwen3-0.6B, decode step at 1k context,
-# two runs: 1 row 0.696, 0.697 -> 0.693, 0.693 ms, 2 rows 0.958, 0.960 -> 0.939, 0.938; capping
-# every row grid that fits, o's and down's too: 2 rows 0.960, 0.961 -> 0.949, 0.953).
+# and read its first key tile before its wait. Capping every row grid that fits, o's and
+# down's too, gained no more (docs/rejected.md).
 _ROW_PROGRAMS_PER_SM_CAP = 4
 # Input bytes that a fused prologue's programs may read between them (each reads the whole
-# input row): about what L2 serves in the ~1 us that the separate kernel's boundary costs.
-# Qwen3-0.6B's norms and activation re-read 2-6 MB and fused gain (H200, batch 1: 0.858 ->
-# 0.787 ms a step); Qwen3-8B's norms would re-read 48-192 MB, and fused lose (4.21 -> 4.46 ms).
+# input row): about what L2 serves while the separate kernel's boundary lasts. Qwen3-0.6B's
+# norms and activation re-read 2-6 MB and fused gain; Qwen3-8B's norms would re-read 48-192
+# MB, and fused lose (docs/rejected.md).
 _MAX_PROLOGUE_BYTES = 8 << 20
 _ACTIVATIONS = {"silu": "silu", "gelu": "none", "gelu_tanh": "tanh"}  # act_linear's names -> activate's
 row_kernel_enabled = os.environ.get("NANOVLLM_GEMV_ROW", "1") != "0"
@@ -222,8 +221,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_row_stride, w_r
     activation runs once per feature rather than in every program of the down projection
     after it (as the "act" prologue does).
     No L2 prefetch of the next weight: the next kernel's programs
-    read theirs before their own wait, and the prefetch only added traffic (H200, batch 1 at
-    1k context: 0.772 -> 0.736 ms a step without it)."""
+    read theirs before their own wait, and the prefetch only added traffic (docs/rejected.md)."""
     tile = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     if GATED:

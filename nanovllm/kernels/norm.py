@@ -81,8 +81,8 @@ def _launch(x_layout, res_layout, out: torch.Tensor, weight: torch.Tensor, eps: 
     n_rows = out.numel() // d
     block_d = next_power_of_2(d)
     # With a residual, half the shared tile and 64 values a thread on full grids: one warp for
-    # two 1024-wide rows (H100, 4096 rows: 12.3 against 12.6 us; 32768: 90.8 against 91.7), two
-    # for a 4096-wide row (H200 sweeps: 33.8-34.4 against 35.0-35.7 us).
+    # two 1024-wide rows, two for a 4096-wide row (faster than the full tile:
+    # docs/rejected.md).
     block_r = rows_per_program(n_rows, block_d, 1, RESIDUAL_TILE_ELEMENTS if has_residual else TILE_ELEMENTS)
     programs = cdiv(n_rows, block_r)
     _rms_norm_kernel[(programs,)](

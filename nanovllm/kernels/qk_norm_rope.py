@@ -7,9 +7,9 @@ A token tile's work is split into parts of at most as many heads as k has: Q_PAR
 rewrite the q heads in place, the next writes the rotated k heads to the key cache and the
 last copies the v heads to the value cache. Parts of about one size keep the programs about
 equally long, and the part is the fastest-moving program index, so that a tile's programs
-run together and read its rows of the packed qkv output at once (H200, 4096 tokens: 20.7 ->
-19.1 us). Tiles are [tokens, heads, half a head]: a head row is loaded as two halves, the
-pairs the rotation mixes."""
+run together and read its rows of the packed qkv output at once (docs/rejected.md). Tiles
+are [tokens, heads, half a head]: a head row is loaded as two halves, the pairs the rotation
+mixes."""
 import torch
 import triton
 import triton.language as tl
@@ -75,8 +75,8 @@ def _qk_norm_rope_store_kernel(
         tl.store(q2, r2, mask=mask)
     else:
         # -1: a padding token that owns no slot, so nothing is written for it. Its k and v are
-        # read all the same: loads masked by the slot would wait for it (H200, 4096 tokens:
-        # 20.1 against 19.7 us).
+        # read all the same: loads masked by the slot would wait for it (measured slower:
+        # docs/rejected.md).
         slots = tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1).to(tl.int32)
         if part == Q_PARTS:
             k1, k2, mask = _head_rows(k_ptr, tokens.to(tl.int64) * k_token_stride, in_range, k_head_stride, kv_heads,
@@ -136,8 +136,8 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     block_hq, block_hk = next_power_of_2(q_part_heads), next_power_of_2(kv_heads)
     block_half = next_power_of_2(half)
     # Several tokens a program on large batches, 4 warps: of the tiles of 1 to 16 Qwen3-0.6B
-    # tokens and the 2 to 8 warps tried, the fastest at 4096 and 32768 tokens (H200). Sized by
-    # the k tile, never narrower than a q part's.
+    # tokens and the 2 to 8 warps tried, the fastest at 4096 and 32768 tokens. Sized by the k
+    # tile, never narrower than a q part's.
     token_k_elements = 2 * block_hk * block_half
     block_t = rows_per_program(n_tokens, token_k_elements, q_parts + 2, _TOKEN_TILE_ELEMENTS)
     programs = cdiv(n_tokens, block_t) * (q_parts + 2)
@@ -149,8 +149,8 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
         n_tokens, q_heads, kv_heads, half, k_cache.shape[1], q_part_heads,
         HAS_NORM=has_norm, Q_PARTS=q_parts, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
-        # at most 8 warps: on tiles of 4 tokens of Qwen3-0.6B's 16 q heads, 16 were 18% slower
-        # at 32768 tokens (H200, docs/kernels.md)
+        # at most 8 warps: on tiles of 4 tokens of Qwen3-0.6B's 16 q heads, 16 were slower at
+        # 32768 tokens (docs/rejected.md)
         num_warps=num_warps(block_t * token_k_elements, programs, 16, 8),
         **dependent_launch(q.get_device()))
     if q_rows is not q:

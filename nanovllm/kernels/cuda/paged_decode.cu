@@ -33,9 +33,8 @@ constexpr int kRows = 16;                     // query heads of a group, padded 
 constexpr int kPieces = kHeadDim * 2 / 16;    // 16-byte pieces of a key's row (8)
 constexpr int kSlotBytes = 2 * kChunk * kHeadDim * 2;  // a chunk's K and V rows
 // 4 warps of 3 slots: 48 KB and 128 registers a thread let 4 CTAs share an SM, so 256 x 2
-// (sequence, kv head) pairs run as one wave on 132 SMs. H200, 256 x 512 keys, 14 / 2 heads:
-// 18.4-18.9 us; 2 slots 19.3-19.8, 4 slots (3 CTAs an SM) 22.7-23.1; 2 warps of 3 or 5 slots
-// 19.6-20.7; 8 warps of 2 slots 21.4-22.8.
+// (sequence, kv head) pairs run as one wave on 132 SMs. 2 or 4 slots, 2 warps of 3 or 5
+// slots and 8 warps of 2 measured slower (docs/rejected.md).
 constexpr int kWarps = 4;
 constexpr int kStages = 3;
 

@@ -198,7 +198,7 @@ def test_settings_are_checked_before_any_replica_starts(chat_checkpoint):
     from nanovllm.entrypoints.engine_loop import DataParallelEngine
     engine = DataParallelEngine(str(chat_checkpoint), {"data_parallel_size": 2, "max_model_len": 0}, metrics=None)
     told = []
-    engine.on_load_failure = told.append
+    engine.on_fatal = told.append
     asyncio.run(engine.start())
     assert told == ["the engine failed to start: ValueError: max_model_len: must be at least 1, got 0"]
     assert engine.error == told[0] and not engine.ready and engine.processes == [None, None]

@@ -2,8 +2,10 @@
 DataParallelEngine of several for --data-parallel-size > 1.
 
 Handlers never run the model: they turn a request into engine requests (one per prompt and
-choice), wait on an asyncio.Event that the engine's reader task sets as tokens arrive, and turn
-the tokens into text (detokenizer.py). A client that goes away aborts its engine requests."""
+choice), wait on an asyncio.Event that the engine handle sets as tokens arrive, and turn the
+tokens into text (detokenizer.py). A client that goes away aborts its engine requests. Prompts
+are tokenized on a thread of their own, so that a long one holds up neither /health nor the
+streams of others."""
 import asyncio
 import concurrent.futures
 import contextlib
@@ -277,6 +279,7 @@ class OpenAIServer:
                             raw: Request) -> tuple[list[Choice], asyncio.Event]:
         """Queues one engine request per prompt and choice and waits until the engine accepted
         them all; on any error (or a client gone meanwhile) none is left running."""
+        self.check_ready()  # again: the engine may have died while the prompt was tokenized
         stop = self.check_request(request)
         prompt_param = "messages" if chat else "prompt"
         params = [[self.sampling_params(request, len(p), i, chat, prompt_param) for i in range(request.n)]

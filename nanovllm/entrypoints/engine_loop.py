@@ -226,24 +226,27 @@ class AsyncEngine:
     async def _supervise(self) -> None:
         """Runs the engine process until the server stops it or it is gone for good: an engine
         that failed its first load is not restarted (its settings are wrong); one that died later
-        is, while restarts are left. The process is always reaped."""
-        while True:
-            await self._read(self._reader)
-            self._writer.close()
-            await asyncio.get_running_loop().run_in_executor(None, self._reap)
-            self.fail(f"the engine process exited (exit code {self.process.exitcode})")
-            if self._stopping:
-                return
-            first_load_failed = self.info is None and self.restarts == 0
-            if first_load_failed or self.restarts >= self.max_restarts:
-                self.give_up(self.error if first_load_failed else
-                             f"{self.error}; no restarts left (--max-engine-restarts {self.max_restarts})")
-                return
-            self.restarts += 1
-            self.error += f"; restarting it ({self.restarts} of {self.max_restarts})"
-            logger.warning("%s", self.error)
-            self.info = None
-            await self._spawn()
+        is, while restarts are left. The process is always reaped. `info` stays that of the last
+        load meanwhile: a restart loads the same model with the same settings."""
+        try:
+            while True:
+                reported = await self._read(self._reader)
+                self._writer.close()
+                await asyncio.get_running_loop().run_in_executor(None, self._reap)
+                if self._stopping:
+                    return
+                reason = reported or f"the engine process exited (exit code {self.process.exitcode})"
+                if self.info is None or self.restarts >= self.max_restarts:
+                    self.give_up(reason if self.info is None else
+                                 f"{reason}; no restarts left (--max-engine-restarts {self.max_restarts})")
+                    return
+                self.restarts += 1
+                self.fail(f"{reason}; restarting it ({self.restarts} of {self.max_restarts})")
+                logger.warning("%s", self.error)
+                await self._spawn()
+        except Exception as exc:  # a server that can no longer run an engine must not answer 503 forever
+            logger.exception("the engine's supervisor failed")
+            self.give_up(f"the engine's supervisor failed: {_describe(exc)}")
 
     def _reap(self) -> None:
         self.process.join(REAP_TIMEOUT)
@@ -294,8 +297,10 @@ class AsyncEngine:
             self.num_waiting -= 1
         return state
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        """Handles the engine process's messages until its socket closes."""
+    async def _read(self, reader: asyncio.StreamReader) -> str | None:
+        """Handles the engine process's messages until its socket closes; returns the error it
+        reported, if any."""
+        reported = None
         try:
             while True:
                 size = _HEADER.unpack(await reader.readexactly(_HEADER.size))[0]
@@ -306,11 +311,12 @@ class AsyncEngine:
                     self.info, self.error = message[1], None
                     if self.on_ready is not None:
                         self.on_ready()
-                else:  # failed or fatal
-                    self.fail(f"the engine {'failed to start' if message[0] == 'failed' else 'failed'}: "
-                              f"{message[1]}")
+                else:  # failed or fatal: the requests in flight learn at once
+                    reported = f"the engine {'failed to start' if message[0] == 'failed' else 'failed'}: {message[1]}"
+                    self.fail(reported)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        return reported
 
     def _on_step(self, outputs, logprobs, accepted, rejected, stats) -> None:
         now = time.perf_counter()
@@ -347,9 +353,7 @@ class AsyncEngine:
 
     def fail(self, message: str) -> None:
         """Marks the engine not running: every request in flight gets EngineDeadError, new ones
-        are refused until it is loaded again."""
-        if self.error is not None:
-            return
+        are refused until it is loaded again; `message` says why."""
         self.error = message
         for state in self.requests.values():
             state.error = EngineDeadError(message)

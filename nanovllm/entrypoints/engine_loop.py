@@ -186,7 +186,7 @@ class AsyncEngine:
                  max_restarts: int = 0):
         self.model, self.engine_args, self.engine_class, self.env = model, engine_args, engine_class, env or {}
         self.metrics, self.max_restarts = metrics, max_restarts
-        self.info: dict | None = None  # set once the engine is loaded
+        self.info: dict | None = None  # set by each load, kept while a restart loads
         self.error: str | None = None  # why the engine is not running
         self.stats: dict = {}
         self.requests: dict[int, RequestState] = {}

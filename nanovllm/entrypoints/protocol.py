@@ -1,9 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic v2 models. Fields a
 request adds that the server does not know are ignored, except those of UNSUPPORTED_FIELDS:
 fields of OpenAI's and vLLM's APIs that the server does not implement, answered with a 400
-naming the field unless they hold a value that asks for nothing. Every integer fits int64 and
-no string holds a lone surrogate (text the tokenizer cannot encode): the field is named in a 400
-before anything reaches the tokenizer or the engine's tensors."""
+naming the field unless they hold a value that asks for nothing. Integer fields fit int64 (the
+server checks token ids against the vocabulary) and no string holds a lone surrogate: the field
+is named in a 400 before anything reaches the tokenizer or the engine's tensors."""
 import time
 import uuid
 from typing import Annotated, Literal
@@ -16,6 +16,7 @@ Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 
 
 def _whole_characters(text: str) -> str:
+    """JSON's \\uXXXX escapes can carry half a UTF-16 pair, which no tokenizer can encode."""
     try:
         text.encode()
     except UnicodeEncodeError as exc:

@@ -2,10 +2,14 @@
 DataParallelEngine of several for --data-parallel-size > 1.
 
 Handlers never run the model: they turn a request into engine requests (one per prompt and
-choice), wait on an asyncio.Event that the engine's reader task sets as tokens arrive, and turn
-the tokens into text (detokenizer.py). A client that goes away aborts its engine requests."""
+choice), wait on an asyncio.Event that the engine handle sets as tokens arrive, and turn the
+tokens into text (detokenizer.py). A client that goes away aborts its engine requests. Prompts
+are tokenized on a thread of their own, so that a long one holds up neither /health nor the
+streams of others."""
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -17,11 +21,13 @@ from contextlib import asynccontextmanager
 from importlib import metadata
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm.entrypoints.cli import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_REQUEST_BYTES
 from nanovllm.entrypoints.detokenizer import TextStream
 from nanovllm.entrypoints.engine_loop import AsyncEngine, DataParallelEngine, EngineDeadError, RequestState
 from nanovllm.entrypoints.metrics import ServerMetrics
@@ -38,14 +44,26 @@ logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and 
 # left in max_model_len.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_N = 128  # choices a request may ask for
+# Seconds requests ended at --shutdown-timeout get to send their error before uvicorn cancels them.
+SHUTDOWN_GRACE = 5.0
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: open also with --api-key
+MAX_ECHO = 100  # characters of a request's value an error message repeats
+MAX_ERROR_MESSAGE = 500
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "server_error"}
+
+
+def shorten(text: str, limit: int = MAX_ECHO) -> str:
+    """`text` cut to `limit` characters: an error never repeats unbounded input."""
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
+        message = shorten(message, MAX_ERROR_MESSAGE)  # messages of SamplingParams and pydantic echo values
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
@@ -66,6 +84,14 @@ def bad_request(exc: ValueError, param: str | None = None) -> APIError:
     message = str(exc)
     field = message.split(":", 1)[0] if ":" in message else None
     return APIError(400, message, param=param or (field if field and field.isidentifier() else None))
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """Token ids are checked before they reach a tensor (an id past int64 would overflow it)."""
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise APIError(400, f"{param}: token ids must be in [0, {vocab_size}), got {shorten(str(token_id))}",
+                           param=param)
 
 
 def sse(payload) -> str:
@@ -101,15 +127,22 @@ class Choice:
 
 class OpenAIServer:
     def __init__(self, model: str, engine_args: dict, served_model_name: str | None = None,
-                 api_key: str | None = None, max_queue: int | None = None, engine_class=None):
+                 max_queue: int | None = None, engine_class=None,
+                 max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS):
         self.model_dir = model
         self.model_name = served_model_name or model
-        self.api_key, self.max_queue = api_key, max_queue
+        self.max_queue = max_queue
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
         engine_cls = DataParallelEngine if engine_args.get("data_parallel_size", 1) > 1 else AsyncEngine
-        self.engine = engine_cls(model, engine_args, self.metrics, engine_class)
+        self.engine = engine_cls(model, engine_args, self.metrics, engine_class, max_restarts=max_engine_restarts)
+        self.engine.on_ready = self._became_ready
+        self.on_ready = None  # called each time /health turns 200
         self.tokenizer = None
         self.tokenizer_loaded = False
+        # Tokenization and chat templates run here, off the event loop: a long prompt must not
+        # stall other requests and /health. One thread, as a tokenizer is not made for
+        # concurrent encodes.
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenizer")
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -121,12 +154,18 @@ class OpenAIServer:
         try:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
         except Exception as exc:
-            self.engine.fail(f"the tokenizer failed to load: {type(exc).__name__}: {exc}")
+            self.engine.give_up(f"the tokenizer failed to load: {type(exc).__name__}: {exc}")
             return
         self.tokenizer_loaded = True
+        self._became_ready()
+
+    def _became_ready(self) -> None:
+        if self.ready and self.on_ready is not None:
+            self.on_ready()
 
     async def shutdown(self) -> None:
         self._tokenizer_task.cancel()
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         await self.engine.shutdown()
 
     @property
@@ -134,15 +173,19 @@ class OpenAIServer:
         return self.engine.ready and self.tokenizer_loaded
 
     def check_ready(self) -> None:
-        if self.engine.error is not None:
-            raise APIError(503, f"the engine is not running: {self.engine.error}", code="engine_unavailable")
         if not self.ready:
-            raise APIError(503, "the model is still loading", code="engine_unavailable", headers={"Retry-After": "1"})
+            error = self.engine.error
+            raise APIError(503, f"the engine is not running: {error}" if error else "the model is still loading",
+                           code="engine_unavailable", headers={"Retry-After": "1"})
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"the model {shorten(repr(name))} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     # --- prompts ----------------------------------------------------------------------------
     def _encode(self, text: str, param: str) -> list[int]:
@@ -155,9 +198,11 @@ class OpenAIServer:
             return [self._encode(prompt, "prompt")]
         if not prompt:
             raise APIError(400, "prompt: is empty", param="prompt")
-        if isinstance(prompt[0], int):
-            return [prompt]
-        return [self._encode(p, "prompt") if isinstance(p, str) else p for p in prompt]
+        prompts = [prompt] if isinstance(prompt[0], int) else [
+            self._encode(p, "prompt") if isinstance(p, str) else p for p in prompt]
+        for token_ids in prompts:
+            check_token_ids(token_ids, self.engine.info["vocab_size"], "prompt")
+        return prompts
 
     def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         if not messages:
@@ -196,6 +241,8 @@ class OpenAIServer:
         defaults = self.engine.info["sampling_defaults"]
         sampling = {name: getattr(request, name) if getattr(request, name) is not None else defaults.get(name)
                     for name in SAMPLING_DEFAULT_FIELDS}
+        if sampling["top_k"] is not None and sampling["top_k"] >= self.engine.info["vocab_size"]:
+            sampling["top_k"] = -1  # keeps every token, as such a top_k does
         try:
             return SamplingParams(max_tokens=min(max_tokens, room), ignore_eos=request.ignore_eos,
                                   stop_token_ids=request.stop_token_ids, logprobs=logprobs,
@@ -222,6 +269,7 @@ class OpenAIServer:
             raise APIError(400, "stop: stop strings must not be empty", param="stop")
         if stop and self.tokenizer is None:
             raise APIError(400, "stop: this model has no tokenizer to match stop strings with", param="stop")
+        check_token_ids(request.stop_token_ids or [], self.engine.info["vocab_size"], "stop_token_ids")
         if self.max_queue is not None and self.engine.num_waiting >= self.max_queue:
             raise APIError(429, f"{self.engine.num_waiting} requests are already waiting (--max-queue "
                                 f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
@@ -231,6 +279,7 @@ class OpenAIServer:
                             raw: Request) -> tuple[list[Choice], asyncio.Event]:
         """Queues one engine request per prompt and choice and waits until the engine accepted
         them all; on any error (or a client gone meanwhile) none is left running."""
+        self.check_ready()  # again: the engine may have died while the prompt was tokenized
         stop = self.check_request(request)
         prompt_param = "messages" if chat else "prompt"
         params = [[self.sampling_params(request, len(p), i, chat, prompt_param) for i in range(request.n)]
@@ -338,12 +387,13 @@ class OpenAIServer:
     async def completions(self, request: CompletionRequest, raw: Request):
         self.check_model(request.model)
         self.check_ready()
-        return await self.respond(request, self.completion_prompts(request.prompt), raw, chat=False)
+        return await self.respond(request, await self.off_loop(self.completion_prompts, request.prompt), raw,
+                                  chat=False)
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request):
         self.check_model(request.model)
         self.check_ready()
-        return await self.respond(request, [self.chat_prompt(request.messages)], raw, chat=True)
+        return await self.respond(request, [await self.off_loop(self.chat_prompt, request.messages)], raw, chat=True)
 
     async def respond(self, request: SamplingRequest, prompts: list[list[int]], raw: Request, chat: bool):
         """Runs the request's choices and answers with the whole response, or streams it."""
@@ -419,27 +469,27 @@ class OpenAIServer:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def tokenize(self, request: TokenizeRequest) -> dict:
+    async def tokenize(self, request: TokenizeRequest) -> dict:
         self.check_model(request.model)
         self.check_ready()
         if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "prompt: give either prompt or messages", param="prompt")
         if request.messages is not None:
-            tokens = self.chat_prompt(request.messages)
+            tokens = await self.off_loop(self.chat_prompt, request.messages)
         elif self.tokenizer is None:
             raise APIError(400, "prompt: this model has no tokenizer", param="prompt")
         else:
-            tokens = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            tokens = await self.off_loop(functools.partial(
+                self.tokenizer.encode, request.prompt, add_special_tokens=request.add_special_tokens))
         return {"count": len(tokens), "max_model_len": self.engine.info["max_model_len"], "tokens": tokens}
 
-    def detokenize(self, request: DetokenizeRequest) -> dict:
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
         self.check_model(request.model)
         self.check_ready()
         if self.tokenizer is None:
             raise APIError(400, "tokens: this model has no tokenizer", param="tokens")
-        if not all(0 <= t < len(self.tokenizer) for t in request.tokens):
-            raise APIError(400, f"tokens: token ids must be in [0, {len(self.tokenizer)})", param="tokens")
-        return {"prompt": self.tokenizer.decode(request.tokens)}
+        check_token_ids(request.tokens, len(self.tokenizer), "tokens")
+        return {"prompt": await self.off_loop(self.tokenizer.decode, request.tokens)}
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -469,31 +519,28 @@ async def _disconnected(raw: Request) -> None:
 
 # --- the application ---------------------------------------------------------------------------
 def build_app(model: str, engine_args: dict, served_model_name: str | None = None, api_key: str | None = None,
-              max_queue: int | None = None, engine_class=None) -> FastAPI:
+              max_queue: int | None = None, engine_class=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS, enable_docs: bool = False) -> FastAPI:
     """The FastAPI app serving `model`; the engine process starts with the app (lifespan) and
-    loads in the background: /health answers 503 until it is ready."""
-    server = OpenAIServer(model, engine_args, served_model_name, api_key, max_queue, engine_class)
+    loads in the background: /health answers 503 until it is ready. `enable_docs`: serve
+    /docs, /redoc and /openapi.json."""
+    server = OpenAIServer(model, engine_args, served_model_name, max_queue, engine_class, max_engine_restarts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await server.start()
-        for process in server.engine.processes:
-            logger.info("engine process %d is loading %s", process.pid, model)
         try:
             yield
         finally:
             await server.shutdown()
 
-    app = FastAPI(title="nanovllm", lifespan=lifespan)
+    docs = {} if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="nanovllm", lifespan=lifespan, **docs)
     app.state.server = server
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     install_error_handlers(app)
 
-    async def check_api_key(raw: Request) -> None:
-        if server.api_key is not None and not secrets.compare_digest(
-                raw.headers.get("authorization", "").encode(), f"Bearer {server.api_key}".encode()):
-            raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
@@ -525,17 +572,49 @@ def build_app(model: str, engine_args: dict, served_model_name: str | None = Non
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
-        return server.tokenize(request)
+        return await server.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):
-        return server.detokenize(request)
+        return await server.detokenize(request)
 
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+class RequestGuard:
+    """ASGI middleware that checks a request before the app reads it: the API key on every path
+    but OPEN_PATHS, and the body's size, a 413 past max_request_bytes (counted as the body
+    arrives too: a chunked body declares no length)."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+        self.too_large = f"the request body is larger than {max_request_bytes} bytes (--max-request-bytes)"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not secrets.compare_digest(
+                headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode()):
+            error = APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+            return await error.response()(scope, receive, send)
+        if int(headers.get("content-length") or 0) > self.max_request_bytes:
+            return await APIError(413, self.too_large).response()(scope, receive, send)
+        received = 0
+
+        async def receive_counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_request_bytes:  # FastAPI passes an HTTPException through its body parsing
+                raise StarletteHTTPException(413, self.too_large)
+            return message
+
+        await self.app(scope, receive_counted, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -555,8 +634,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if errors[0].get("type") == "json_invalid":
             return APIError(400, f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}").response()
         param = str(errors[0]["loc"][1]) if len(errors[0]["loc"]) > 1 else None  # loc[0] is "body"
-        messages = list(dict.fromkeys(e["msg"] for e in errors if e["loc"][1:2] == errors[0]["loc"][1:2]))
-        if len(messages) > 1:  # a union field (prompt, stop) fails once per accepted form
+        errors = [e for e in errors if e["loc"][1:2] == errors[0]["loc"][1:2]]
+        # A union field (prompt, stop) fails once per accepted form: the forms of the value's own
+        # type (whose error is not a type mismatch) tell what is wrong with it.
+        errors = [e for e in errors if not e["type"].endswith("_type")] or errors
+        messages = list(dict.fromkeys(e["msg"] for e in errors))
+        if len(messages) > 1:
             return APIError(400, f"{param}: matches none of its accepted forms ({'; '.join(messages)})",
                             param=param).response()
         return APIError(400, f"{param or 'body'}: {messages[0]}", param=param).response()
@@ -572,7 +655,22 @@ def install_error_handlers(app: FastAPI) -> None:
 
 class Server(uvicorn.Server):
     """uvicorn's server, except that SIGTERM and Ctrl-C, once the graceful shutdown is done,
-    end the process with exit code 0 (uvicorn raises the signal again after it)."""
+    end the process with exit code 0 (uvicorn raises the signal again after it), and that the
+    requests still running `shutdown_timeout` seconds into it end with an error (a stream: an
+    error event, then [DONE]) rather than being cut off."""
+
+    def __init__(self, app: FastAPI, shutdown_timeout: float, log_level: str):
+        super().__init__(uvicorn.Config(app, log_level=log_level,
+                                        timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE))
+        self.engine, self.shutdown_timeout = app.state.server.engine, shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        end = asyncio.get_running_loop().call_later(self.shutdown_timeout, self.engine.fail,
+                                                    "the server is shutting down")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            end.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -601,20 +699,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(model: str, engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, api_key: str | None = None, max_queue: int | None = None,
-          shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
-    """Runs the server until SIGTERM or Ctrl-C; returns the exit code (1 if the engine failed to load)."""
+          shutdown_timeout: float = 30.0, log_level: str = "info", max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS, enable_docs: bool = False) -> int:
+    """Runs the server until SIGTERM or Ctrl-C; returns the exit code (1 if the engine failed to
+    load, or died more often than it may be restarted)."""
     sock = bind_socket(host, port)
-    app = build_app(model, engine_args, served_model_name, api_key, max_queue)
-    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout))
+    app = build_app(model, engine_args, served_model_name, api_key, max_queue, max_request_bytes=max_request_bytes,
+                    max_engine_restarts=max_engine_restarts, enable_docs=enable_docs)
+    server = Server(app, shutdown_timeout, log_level)
     failure = []
 
-    def on_load_failure(message: str) -> None:
+    def on_fatal(message: str) -> None:
         print(f"nanovllm serve: {message}; shutting down", flush=True)
         failure.append(message)
         server.should_exit = True
 
-    app.state.server.engine.on_load_failure = on_load_failure
-    bound = sock.getsockname()[1]
-    print(f"nanovllm serve: {app.state.server.model_name} on http://{host}:{bound}", flush=True)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    app.state.server.engine.on_fatal = on_fatal
+    app.state.server.on_ready = lambda: print(f"nanovllm serve: ready on {url}", flush=True)
+    print(f"nanovllm serve: {app.state.server.model_name} on {url}", flush=True)
     server.run(sockets=[sock])
     return 1 if failure else 0

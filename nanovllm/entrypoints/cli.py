@@ -9,6 +9,10 @@ from pathlib import Path
 
 from nanovllm.config import Config
 
+# A 128k-token prompt is about 0.5 MB of text, 1 MB as token ids, 1.5 MB as \u-escaped CJK.
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_MAX_ENGINE_RESTARTS = 3
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per engine setting of Config (--max-model-len, --enforce-eager, ...), so the
@@ -35,11 +39,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL)")
     parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                             "(default: $NANOVLLM_API_KEY)")
     parser.add_argument("--max-queue", type=int,
                         help="answer 429 while this many requests wait for their first token")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"answer 413 to a request body larger than this (default: {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument("--max-engine-restarts", type=int, default=DEFAULT_MAX_ENGINE_RESTARTS,
+                        help="times a dead engine process is restarted before the server exits with code 1 "
+                             f"(default: {DEFAULT_MAX_ENGINE_RESTARTS})")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C (default: 30)")
+    parser.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(parser)
 
@@ -48,11 +59,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from nanovllm.entrypoints.api_server import serve
     if args.max_queue is not None and args.max_queue < 0:
         raise SystemExit("nanovllm serve: --max-queue must be >= 0")
+    if args.max_request_bytes < 1 or args.max_engine_restarts < 0:
+        raise SystemExit("nanovllm serve: --max-request-bytes must be >= 1 and --max-engine-restarts >= 0")
     if args.data_parallel_size < 1:
         raise SystemExit("nanovllm serve: --data-parallel-size must be >= 1")
     return serve(args.model, engine_args(args), host=args.host, port=args.port,
                  served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
-                 shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+                 shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                 max_request_bytes=args.max_request_bytes, max_engine_restarts=args.max_engine_restarts,
+                 enable_docs=args.enable_docs)
 
 
 def run_bench(rest: list[str]) -> int:

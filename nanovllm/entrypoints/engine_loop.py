@@ -14,6 +14,7 @@ output order, and is empty otherwise."""
 import asyncio
 import atexit
 import itertools
+import logging
 import multiprocessing
 import pickle
 import queue
@@ -30,6 +31,8 @@ from nanovllm.engine.data_parallel import replica_environments
 from nanovllm.engine.worker import child_environment
 
 _HEADER = struct.Struct("<Q")
+REAP_TIMEOUT = 10.0  # seconds an engine process that closed its socket gets to exit before it is killed
+logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
 
 
 def _frame(message) -> bytes:
@@ -54,7 +57,8 @@ def engine_main(model: str, engine_args: dict, sock: socket.socket, engine_class
         if engine_class is None:
             from nanovllm import LLM as engine_class
         engine = engine_class(model, **engine_args)
-        info = {"max_model_len": engine.config.max_model_len, "sampling_defaults": dict(engine.sampling_defaults)}
+        info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.config.hf_config.vocab_size,
+                "sampling_defaults": dict(engine.sampling_defaults)}
     except Exception as exc:
         sock.sendall(_frame(("failed", _describe(exc))))
         raise SystemExit(1) from None
@@ -172,22 +176,28 @@ class RequestState:
 
 class AsyncEngine:
     """The server's handle on the engine process. Lives on the server's event loop: add() and
-    abort() only queue a message; one reader task routes each step's tokens to the requests'
-    states. `metrics` (metrics.ServerMetrics) is told of every token. `env` is added to the
-    environment the engine process starts with (a replica's CUDA_VISIBLE_DEVICES)."""
+    abort() only queue a message; one supervisor task reads the process's messages, routes each
+    step's tokens to the requests' states, and once the process is gone (it raised, crashed or
+    was killed) reaps it and starts a new one, up to `max_restarts` times. `metrics`
+    (metrics.ServerMetrics) is told of every token. `env` is added to the environment the
+    engine process starts with (a replica's CUDA_VISIBLE_DEVICES)."""
 
-    def __init__(self, model: str, engine_args: dict, metrics, engine_class=None, env: dict | None = None):
+    def __init__(self, model: str, engine_args: dict, metrics, engine_class=None, env: dict | None = None,
+                 max_restarts: int = 0):
         self.model, self.engine_args, self.engine_class, self.env = model, engine_args, engine_class, env or {}
-        self.metrics = metrics
-        self.info: dict | None = None  # set once the engine is loaded
-        self.error: str | None = None  # why the engine is gone
+        self.metrics, self.max_restarts = metrics, max_restarts
+        self.info: dict | None = None  # set by each load, kept while a restart loads
+        self.error: str | None = None  # why the engine is not running
         self.stats: dict = {}
         self.requests: dict[int, RequestState] = {}
         self.num_waiting = 0  # requests without a first token yet
         self.process = None
-        self.on_load_failure = None  # called with the error if the engine never becomes ready
+        self.restarts = 0
+        self.on_ready = None  # called each time the engine is loaded (again)
+        self.on_fatal = None  # called with the reason once the engine is gone for good
         self._ids = itertools.count()
-        self._writer = self._reader_task = None
+        self._reader = self._writer = self._supervisor = None
+        self._stopping = False
 
     @property
     def ready(self) -> bool:
@@ -198,32 +208,63 @@ class AsyncEngine:
         return [self.process]
 
     async def start(self) -> None:
+        await self._spawn()
+        atexit.register(self._kill)  # runs before multiprocessing's exit hook, which would wait for it
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _spawn(self) -> None:
         ours, theirs = socket.socketpair()
         # Not a daemon: a tensor-parallel engine starts processes of its own.
         self.process = multiprocessing.get_context("spawn").Process(
             target=engine_main, args=(self.model, self.engine_args, theirs, self.engine_class), name="nanovllm-engine")
         with child_environment(self.env):
             self.process.start()
-        atexit.register(self._kill)  # runs before multiprocessing's exit hook, which would wait for it
         theirs.close()
-        reader, self._writer = await asyncio.open_connection(sock=ours)
-        self._reader_task = asyncio.create_task(self._read(reader))
+        self._reader, self._writer = await asyncio.open_connection(sock=ours)
+        logger.info("engine process %d is loading %s", self.process.pid, self.model)
+
+    async def _supervise(self) -> None:
+        """Runs the engine process until the server stops it or it is gone for good: an engine
+        that failed its first load is not restarted (its settings are wrong); one that died later
+        is, while restarts are left. The process is always reaped. `info` stays that of the last
+        load meanwhile: a restart loads the same model with the same settings."""
+        try:
+            while True:
+                reported = await self._read(self._reader)
+                self._writer.close()
+                await asyncio.get_running_loop().run_in_executor(None, self._reap)
+                if self._stopping:
+                    return
+                reason = reported or f"the engine process exited (exit code {self.process.exitcode})"
+                if self.info is None or self.restarts >= self.max_restarts:
+                    self.give_up(reason if self.info is None else
+                                 f"{reason}; no restarts left (--max-engine-restarts {self.max_restarts})")
+                    return
+                self.restarts += 1
+                self.fail(f"{reason}; restarting it ({self.restarts} of {self.max_restarts})")
+                logger.warning("%s", self.error)
+                await self._spawn()
+        except Exception as exc:  # a server that can no longer run an engine must not answer 503 forever
+            logger.exception("the engine's supervisor failed")
+            self.give_up(f"the engine's supervisor failed: {_describe(exc)}")
+
+    def _reap(self) -> None:
+        self.process.join(REAP_TIMEOUT)
+        self._kill()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine process: in order if it answers within `timeout`, else killed."""
-        if self.process is None:
+        if self._supervisor is None:
             return
-        running = self.error is None
-        self.fail("the server is shutting down", notify=False)
-        if running:
+        self._stopping = True
+        self.fail("the server is shutting down")
+        if not self._writer.is_closing():
             self._send(("shutdown",))
-        await asyncio.get_running_loop().run_in_executor(None, self.process.join, timeout)
-        self._kill()
+        done, _ = await asyncio.wait({self._supervisor}, timeout=timeout)
+        if not done:  # a killed process closes its socket: the supervisor reaps it
+            self.process.kill()
+            await self._supervisor
         atexit.unregister(self._kill)
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-        if self._writer is not None:
-            self._writer.close()
 
     def _kill(self) -> None:
         """Ends the engine process if it still runs (a server that exits without shutdown())."""
@@ -256,7 +297,10 @@ class AsyncEngine:
             self.num_waiting -= 1
         return state
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, reader: asyncio.StreamReader) -> str | None:
+        """Handles the engine process's messages until its socket closes; returns the error it
+        reported, if any."""
+        reported = None
         try:
             while True:
                 size = _HEADER.unpack(await reader.readexactly(_HEADER.size))[0]
@@ -264,14 +308,15 @@ class AsyncEngine:
                 if message[0] == "step":
                     self._on_step(*message[1:])
                 elif message[0] == "ready":
-                    self.info = message[1]
-                else:  # failed or fatal
-                    self.fail(f"the engine {'failed to start' if message[0] == 'failed' else 'failed'}: "
-                               f"{message[1]}")
+                    self.info, self.error = message[1], None
+                    if self.on_ready is not None:
+                        self.on_ready()
+                else:  # failed or fatal: the requests in flight learn at once
+                    reported = f"the engine {'failed to start' if message[0] == 'failed' else 'failed'}: {message[1]}"
+                    self.fail(reported)
         except (asyncio.IncompleteReadError, ConnectionError):
-            if self.error is None:  # the socket closed: the process is exiting, wait for its exit code
-                await asyncio.get_running_loop().run_in_executor(None, self.process.join, 5.0)
-                self.fail(f"the engine process exited (exit code {self.process.exitcode})")
+            pass
+        return reported
 
     def _on_step(self, outputs, logprobs, accepted, rejected, stats) -> None:
         now = time.perf_counter()
@@ -306,36 +351,39 @@ class AsyncEngine:
         self.metrics.generation_tokens(len(outputs))
         self.stats = stats
 
-    def fail(self, message: str, notify: bool = True) -> None:
-        """Marks the engine gone: every request in flight gets EngineDeadError, new ones are
-        refused. `notify`: tell on_load_failure, if the engine never became ready."""
-        if self.error is not None:
-            return
+    def fail(self, message: str) -> None:
+        """Marks the engine not running: every request in flight gets EngineDeadError, new ones
+        are refused until it is loaded again; `message` says why."""
         self.error = message
         for state in self.requests.values():
             state.error = EngineDeadError(message)
             state.event.set()
         self.requests.clear()
         self.num_waiting = 0
-        if notify and self.info is None and self.on_load_failure is not None:
-            self.on_load_failure(message)
+
+    def give_up(self, message: str) -> None:
+        """The engine is gone for good: fails what is in flight and tells on_fatal, once."""
+        self.fail(message)
+        on_fatal, self.on_fatal = self.on_fatal, None
+        if on_fatal is not None:
+            on_fatal(message)
 
 
 class DataParallelEngine:
     """M AsyncEngines (replicas, each possibly tensor-parallel) behind AsyncEngine's interface.
     An HTTP request's engine requests (its prompts and choices, which share its event) all go
     to the replica with the fewest requests in flight, so its choices share one prefix cache.
-    Once a replica fails the server is down (`error` set: /health answers 503, new requests
-    are refused); the failed replica's requests get its error, the others' run to their end."""
+    While a replica is down (`error` set: /health answers 503, new requests are refused) its
+    requests get its error and the others' run to their end; each replica restarts on its own,
+    and once one is gone for good, so is the server."""
 
-    def __init__(self, model: str, engine_args: dict, metrics, engine_class=None):
+    def __init__(self, model: str, engine_args: dict, metrics, engine_class=None, max_restarts: int = 0):
         self.model, self.engine_args = model, engine_args
-        self.replicas = [AsyncEngine(model, {**engine_args, "data_parallel_size": 1}, metrics, engine_class)
-                         for _ in range(engine_args["data_parallel_size"])]
+        self.replicas = [AsyncEngine(model, {**engine_args, "data_parallel_size": 1}, metrics, engine_class,
+                                     max_restarts=max_restarts) for _ in range(engine_args["data_parallel_size"])]
         for replica in self.replicas:
-            replica.on_load_failure = self._load_failed
-        self.on_load_failure = None
-        self._load_failure_told = False
+            replica.on_ready, replica.on_fatal = self._replica_ready, self.give_up
+        self.on_ready = self.on_fatal = None
         self._replica_of = weakref.WeakKeyDictionary()  # an HTTP request's event -> its replica
 
     @property
@@ -372,7 +420,7 @@ class DataParallelEngine:
         try:
             config = Config(self.model, **self.engine_args)
         except ValueError as exc:
-            self.fail(f"the engine failed to start: {_describe(exc)}")
+            self.give_up(f"the engine failed to start: {_describe(exc)}")
             return
         for replica, env in zip(self.replicas, replica_environments(config) or [{}] * len(self.replicas)):
             replica.env = env
@@ -397,12 +445,16 @@ class DataParallelEngine:
             if mine := [state for state in states if state.replica == index]:
                 replica.abort(mine)
 
-    def fail(self, message: str, notify: bool = True) -> None:
+    def fail(self, message: str) -> None:
         for replica in self.replicas:
-            replica.fail(message, notify)
+            replica.fail(message)
 
-    def _load_failed(self, message: str) -> None:
-        """A replica failed before it was ready: the server is told once."""
-        if self.on_load_failure is not None and not self._load_failure_told:
-            self._load_failure_told = True
-            self.on_load_failure(message)
+    def give_up(self, message: str) -> None:
+        self.fail(message)
+        on_fatal, self.on_fatal = self.on_fatal, None
+        if on_fatal is not None:
+            on_fatal(message)
+
+    def _replica_ready(self) -> None:
+        if self.ready and self.on_ready is not None:
+            self.on_ready()

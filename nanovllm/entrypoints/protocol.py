@@ -1,12 +1,42 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic v2 models. Fields a
-request adds that the server does not know are ignored; known OpenAI fields that the engine
-cannot honour are named by `unsupported()` and answered with a 400."""
+request adds that the server does not know are ignored, except those of UNSUPPORTED_FIELDS:
+fields of OpenAI's and vLLM's APIs that the server does not implement, answered with a 400
+naming the field unless they hold a value that asks for nothing. Integer fields fit int64 (the
+server checks token ids against the vocabulary) and no string holds a lone surrogate: the field
+is named in a 400 before anything reaches the tokenizer or the engine's tensors."""
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+INT64_MAX = 2**63 - 1
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+
+
+def _whole_characters(text: str) -> str:
+    """JSON's \\uXXXX escapes can carry half a UTF-16 pair, which no tokenizer can encode."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError("lone_surrogate", "holds a lone surrogate at index {index}, which is not "
+                                  "text", {"index": exc.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_whole_characters)]
+
+# field -> the values that ask for nothing (some clients send them by default); null is always
+# allowed (it means the field's default).
+UNSUPPORTED_FIELDS = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "min_tokens": (0,), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
+    "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "response_format": ({"type": "text"},), "prompt_logprobs": (),
+    "use_beam_search": (False,), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+}
 
 
 class StreamOptions(BaseModel):
@@ -16,24 +46,23 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """The fields both generation endpoints share. Sampling values left out (None) take the
     checkpoint's generation_config.json defaults, then SamplingParams'."""
-    model: str | None = None
-    max_tokens: int | None = None
+    model_config = ConfigDict(extra="allow")  # kept to check UNSUPPORTED_FIELDS
+
+    model: Text | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = None  # checked against the vocabulary by the server
     ignore_eos: bool = False
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extension: each choice also carries its token ids (the new ones, when streamed).
     return_token_ids: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -42,25 +71,21 @@ class SamplingRequest(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def unsupported(self) -> str | None:
-        """The first field set to a value the engine cannot honour."""
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
-        return "logit_bias" if self.logit_bias else None
+        """The first field set to a value the server cannot honour."""
+        extra = self.model_extra
+        return next((name for name, off in UNSUPPORTED_FIELDS.items() if name in extra and extra[name] not in off),
+                    None)
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: Text | list[Text] | list[int] | list[list[int]]  # token ids checked against the vocabulary
+    logprobs: Int64 | None = None
+    best_of: Int64 | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo or self.suffix:
-            return "echo" if self.echo else "suffix"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
         return super().unsupported()
@@ -71,22 +96,20 @@ class CompletionRequest(SamplingRequest):
 
 
 class ContentPart(BaseModel):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    top_logprobs: Int64 | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -94,13 +117,6 @@ class ChatCompletionRequest(SamplingRequest):
         if not info.data.get("logprobs"):
             raise PydanticCustomError("logprobs_required", "needs logprobs: true")
         return value
-
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        return super().unsupported()
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
@@ -112,15 +128,15 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[int]  # checked against the vocabulary by the server
 
 
 # --- responses -------------------------------------------------------------------------------

@@ -1,6 +1,10 @@
-"""The `nanovllm` command: its help, and `python -m nanovllm.serve` as a process: it finishes
-the request in flight on SIGTERM, exits 0 and leaves no engine process behind; an engine that
-fails to load ends it with exit code 1; a --data-parallel-size below 1 is refused."""
+"""The `nanovllm` command: its help, and `python -m nanovllm.serve` as a process: it says when it
+is ready, finishes the request in flight on SIGTERM, ends the streams still running at
+--shutdown-timeout with an error event and [DONE], exits 0 and leaves no engine process behind;
+an engine that fails to load ends it with exit code 1, one that dies is restarted until
+--max-engine-restarts runs out, which ends it with exit code 1; a --data-parallel-size below 1
+is refused."""
+import json
 import os
 import queue
 import re
@@ -87,6 +91,49 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(chat_checkpoint):
             raise AssertionError("the engine process outlived the server")
         except ProcessLookupError:
             pass
+    finally:
+        server.stop()
+
+
+def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_then_done(chat_checkpoint):
+    """A stream of 8,000 tokens outlives a shutdown timeout of 1 s."""
+    server = ServeProcess(chat_checkpoint, "--shutdown-timeout", "1", "--max-model-len", "8192",
+                          "--num-kvcache-blocks", "520")
+    try:
+        url = server.wait_for(r"ready on (http://127\.0\.0\.1:\d+)").group(1)
+        body = {"prompt": [3, 4, 5], "max_tokens": 8000, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            server.process.send_signal(signal.SIGTERM)
+            try:
+                for line in lines:
+                    events += [line] if line.startswith("data: ") else []
+            except httpx.RemoteProtocolError:  # the stream was cut
+                pass
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["message"] == "the server is shutting down"
+        assert server.process.wait(TIMEOUT) == 0
+    finally:
+        server.stop()
+
+
+def test_a_dead_engine_is_restarted_until_the_restarts_run_out(chat_checkpoint):
+    server = ServeProcess(chat_checkpoint, "--max-engine-restarts", "1")
+    try:
+        for restart in range(2):
+            engine_pid = int(server.wait_for(r"engine process (\d+) is loading").group(1))
+            url = server.wait_for(r"nanovllm serve: ready on (http://127\.0\.0\.1:\d+)").group(1)
+            assert httpx.get(f"{url}/health").status_code == 200
+            response = httpx.post(f"{url}/v1/completions", json={"prompt": [3, 4], "max_tokens": 2}, timeout=TIMEOUT)
+            assert response.status_code == 200
+            os.kill(engine_pid, signal.SIGKILL)
+            if restart == 0:  # the log says why; the dead process is reaped before the next starts
+                server.wait_for(r"the engine process exited \(exit code -9\); restarting it \(1 of 1\)")
+                wait_until(lambda: not os.path.exists(f"/proc/{engine_pid}"), what="the dead engine to be reaped")
+        assert server.process.wait(TIMEOUT) == 1
+        server.wait_for(r"exit code -9\); no restarts left \(--max-engine-restarts 1\); shutting down")
     finally:
         server.stop()
 

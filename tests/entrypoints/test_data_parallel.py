@@ -1,8 +1,8 @@
 """A server of two engine replicas (--data-parallel-size 2): greedy outputs equal LLM.generate()'s,
 concurrent requests spread over both, an HTTP request's choices share a replica, a client that
-leaves frees its replica's blocks, a killed replica fails its requests and the server's health,
-and no process outlives the server. The dispatch rule itself is checked without processes; on
-two GPUs, each replica starts on its own GPU."""
+leaves frees its replica's blocks, a killed replica fails its requests and the server's health
+until it is restarted, and no process outlives the server. The dispatch rule itself is checked
+without processes; on two GPUs, each replica starts on its own GPU."""
 import asyncio
 import contextlib
 import json
@@ -133,7 +133,7 @@ def test_choices_share_a_replica_and_a_client_that_leaves_frees_its_blocks(serve
     wait_until(lambda: idle(server), timeout=5, what="the KV cache to be empty")
 
 
-def test_a_killed_replica_fails_its_requests_and_the_servers_health(chat_checkpoint):
+def test_a_killed_replica_fails_its_requests_and_the_servers_health_until_it_restarts(chat_checkpoint):
     server, pids = start_server(chat_checkpoint)
     try:
         first, second = server.engine.replicas
@@ -151,6 +151,10 @@ def test_a_killed_replica_fails_its_requests_and_the_servers_health(chat_checkpo
             # the other replica's request runs to its end
             events = [line for line in a_lines if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
+            # then the killed replica is back, in a new process
+            wait_until(lambda: http.get("/health").status_code == 200, what="the replica to restart")
+            assert second.restarts == 1 and second.process.pid not in pids
+            assert http.post("/v1/completions", json={**LONG, "stream": False, "max_tokens": 4}).status_code == 200
     finally:
         stop_server(server, pids)
 
@@ -198,7 +202,7 @@ def test_settings_are_checked_before_any_replica_starts(chat_checkpoint):
     from nanovllm.entrypoints.engine_loop import DataParallelEngine
     engine = DataParallelEngine(str(chat_checkpoint), {"data_parallel_size": 2, "max_model_len": 0}, metrics=None)
     told = []
-    engine.on_load_failure = told.append
+    engine.on_fatal = told.append
     asyncio.run(engine.start())
     assert told == ["the engine failed to start: ValueError: max_model_len: must be at least 1, got 0"]
     assert engine.error == told[0] and not engine.ready and engine.processes == [None, None]

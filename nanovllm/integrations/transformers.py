@@ -8,13 +8,16 @@ Only the given instance changes: each swapped module gets its own `forward` in i
 __dict__, which nn.Module.__call__ finds before the class's, so other models (even of the same
 class) keep running the transformers code. Parameters stay the same objects holding the same
 values; docs/hf_integration.md explains how gate_proj and up_proj come to share one storage."""
+import inspect
 import types
+import typing
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma import modeling_gemma
 from transformers.models.llama import modeling_llama
@@ -61,9 +64,10 @@ def swap_layers(model: nn.Module, rms_norm: bool = True, mlp: bool = True, rope:
         plan.append((getattr(modeling, f"{prefix}MLP"), _mlp_forward,
                      lambda module: _MergedGateUp(module, act_and_mul, kernel)))
     if rope:
+        attention_class = getattr(modeling, f"{prefix}Attention")
         table = _RopeTable(model.model.rotary_emb, model.config.max_position_embeddings,
-                           modeling.eager_attention_forward)
-        plan.append((getattr(modeling, f"{prefix}Attention"), _attention_forward, lambda module: table))
+                           modeling.eager_attention_forward, _cache_parameter(attention_class))
+        plan.append((attention_class, _attention_forward, lambda module: table))
     for module in model.modules():
         for layer_class, forward, make_state in plan:
             if isinstance(module, layer_class) and not hasattr(module, _STATE):
@@ -188,17 +192,30 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swap.act_and_mul(F.linear(x, weight, bias)))
 
 
+def _cache_parameter(attention_class: type) -> str:
+    """The name under which the attention's forward takes the KV cache, read from the parameter
+    it types as a Cache: transformers renamed it (past_key_values, then cache), and a swapped
+    forward that looked for the wrong name would drop the cache and decode from nothing."""
+    for name, parameter in inspect.signature(attention_class.forward, eval_str=True).parameters.items():
+        if parameter.annotation is Cache or Cache in typing.get_args(parameter.annotation):
+            return name
+    raise ValueError(f"rope: {attention_class.__name__}.forward has no parameter typed as a Cache; "
+                     "call swap_layers(..., rope=False)")
+
+
 class _RopeTable(_Swap):
     """cos|sin of every position up to max_position_embeddings, from the model's own rotary
     module (its inv_freq already carries linear/llama3/yarn scaling, and attention_scaling
-    multiplies cos and sin as transformers does). One table serves all layers of a model."""
+    multiplies cos and sin as transformers does). One table serves all layers of a model, and
+    carries the name of their forward's cache parameter."""
 
-    def __init__(self, rotary: nn.Module, max_positions: int, eager_attention):
+    def __init__(self, rotary: nn.Module, max_positions: int, eager_attention, cache_argument: str):
         if "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":
             raise ValueError(f"rope: rope_type {rotary.rope_type!r} changes its frequencies with the sequence length, "
                              "which a precomputed table cannot follow; call swap_layers(..., rope=False)")
         super().__init__("apply_rotary_emb")
         self.rotary, self.max_positions, self.eager_attention = rotary, max_positions, eager_attention
+        self.cache_argument = cache_argument
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def on(self, device: torch.device) -> torch.Tensor:
@@ -211,15 +228,19 @@ class _RopeTable(_Swap):
         return self._tables[device]
 
 
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                       **kwargs):
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """The transformers attention of Qwen3/Qwen2/Llama/Mistral/Gemma with the rotation done by the
     kernel, on the [batch * seq, heads, head_dim] layout the projections already produce (no
-    transpose copy)."""
+    transpose copy). The cache arrives in kwargs under the replaced forward's name for it; a Cache
+    under any other name (a deprecated one) goes with the call to the transformers forward, which
+    knows the name, rather than being dropped."""
+    table = getattr(self, _STATE)
     position_ids = kwargs.get("position_ids")
-    if position_ids is None or _autograd_needed(self, hidden_states):
+    if (position_ids is None or _autograd_needed(self, hidden_states)
+            or any(isinstance(value, Cache) for name, value in kwargs.items() if name != table.cache_argument)):
         return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
-                                  attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+                                  attention_mask=attention_mask, **kwargs)
+    cache = kwargs.pop(table.cache_argument, None)
     batch, seq = hidden_states.shape[:-1]
     query = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
     key = self.k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
@@ -227,9 +248,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if hasattr(self, "q_norm"):  # Qwen3 normalises each head before rotating it
         query, key = self.q_norm(query), self.k_norm(key)
     query, key = _rotate(self, position_ids, query, key)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
-    table = getattr(self, _STATE)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, table.eager_attention)
     output, weights = attention(
         self, query, key, value, attention_mask,

@@ -1,6 +1,6 @@
 """A cheaper eager launch for the package's Triton kernels.
 
-`kernel[grid](*args)` (Triton 3.6, JITFunction.run) does on every call what only a new
+`kernel[grid](*args)` (JITFunction.run, Triton 3.6 to 3.9) does on every call what only a new
 specialization needs: it reads knobs, binds and specializes the arguments, formats the
 options into a string for the cache key, re-checks the kernel's globals, builds launch
 metadata for profiler hooks and has the C launcher call both (empty) hook chains. Stacked on
@@ -17,7 +17,9 @@ capture as Triton's do. Not re-checked after the first call: the values of globa
 kernel reads (these kernels take their constants as arguments).
 
 Under TRITON_INTERPRET=1 `triton.jit` returns no JITFunction and the kernel is left as it is.
-NANOVLLM_FAST_LAUNCH=0 (or `launch.enabled = False`) sends every launch through Triton's path.
+NANOVLLM_FAST_LAUNCH=0 (or `launch.enabled = False`) sends every launch through Triton's path,
+and so does a Triton whose own launch path no longer does what the direct one repeats
+(`changed_internals`; tests/kernels/test_launch.py fails then).
 
 Programmatic dependent launch (Hopper and later): every kernel of the package calls
 `await_previous_kernel` before it reads anything an earlier kernel of the step may write, and
@@ -26,20 +28,53 @@ while the kernel before it in the stream is still running, and they start work t
 that kernel's results are visible, instead of after a full launch round trip.
 NANOVLLM_PDL=0 turns it off."""
 import functools
+import inspect
 import os
+import re
+from types import SimpleNamespace
 
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 from nanovllm.kernels import dispatch
 
+# The steps of JITFunction.run that FastLauncher relies on, as its source spells them: where the
+# binder lives and what it returns (the cache key's parts), and the launch it repeats.
+_RUN_STEPS = (
+    "kernel_cache, kernel_key_cache, target, backend, binder = self.device_caches[device]",
+    "bound_args, specialization, options = binder(*args, **kwargs)",
+    "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+    "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())",
+)
+# Options that run adds from triton.knobs before binding; _observed sends launches to Triton's
+# path while any is set, so they need not be in FastLauncher's key.
+_KNOB_OPTIONS = ("debug", "instrumentation_mode", "fpsan_homomorphic_casts")
+
+
+def changed_internals() -> list[str]:
+    """What FastLauncher relies on that the installed Triton's launch path does differently;
+    empty for Triton 3.6 to 3.9, whose sources were read for it."""
+    try:
+        run = " ".join(inspect.getsource(JITFunction.run).split())
+    except OSError:  # no source shipped
+        return ["JITFunction.run's source"]
+    changed = [step for step in _RUN_STEPS if step not in run]
+    changed += [f"run's option {name}" for name in re.findall(r'kwargs\["(\w+)"\] =', run)
+                if name not in _KNOB_OPTIONS]
+    # occupancy_cap's padding replaces the shared memory bytes of the packed metadata
+    metadata = SimpleNamespace(num_warps=4, num_ctas=2, shared=1024)
+    if make_backend(GPUTarget("cuda", 90, 32)).pack_metadata(metadata) != (4, 2, 1024):
+        changed.append("packed_metadata as (num_warps, num_ctas, shared memory bytes)")
+    return changed
+
+
 enabled = os.environ.get("NANOVLLM_FAST_LAUNCH", "1") != "0"
-# The internals used here (JITFunction.device_caches and its binder, the arguments of
-# CompiledKernel.run, triton.knobs) are Triton 3.6's; other versions keep Triton's own path.
-SUPPORTED = triton.__version__.startswith("3.6.")
+SUPPORTED = not changed_internals()
 dependent_launch_enabled = os.environ.get("NANOVLLM_PDL", "1") != "0"
 _dependent_launch: dict[int, dict] = {}
 
@@ -79,8 +114,8 @@ def occupancy_cap(device_index: int, programs_per_sm: int) -> dict:
     before its wait. Only for kernels with programmatic dependent launch on a GPU, and not
     through Triton's own launch path, which has no such option and ignores the keyword (the
     first call of each specialization, Triton's launch hooks, NANOVLLM_FAST_LAUNCH=0); {} where
-    launches take no keyword of fast_launch's (the CPU, the interpreter, other Triton
-    versions) or run without PDL."""
+    launches take no keyword of fast_launch's (the CPU, the interpreter, a Triton with
+    changed_internals) or run without PDL."""
     if not (SUPPORTED and dependent_launch(device_index)["PDL"]):
         return {}
     per_sm = torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor
@@ -101,9 +136,13 @@ def cache_key(binder, device: int, args: tuple, kwargs: dict):
 
 
 def _observed() -> bool:
-    """Debug mode, instrumentation and launch hooks (profilers) live in Triton's own path."""
-    runtime = triton.knobs.runtime
-    return bool(runtime.debug or triton.knobs.compilation.instrumentation_mode
+    """Debug mode, instrumentation, the float sanitizer's casts (Triton 3.9), extra compiler
+    passes (which run adds to the specialization from 3.7 on) and launch hooks (profilers) live in
+    Triton's own path."""
+    runtime, compilation = triton.knobs.runtime, triton.knobs.compilation
+    return bool(runtime.debug or compilation.instrumentation_mode
+                or getattr(compilation, "fpsan_homomorphic_casts", False)
+                or runtime.add_stages_inspection_hook is not None
                 or getattr(runtime.launch_enter_hook, "calls", True)
                 or getattr(runtime.launch_exit_hook, "calls", True))
 

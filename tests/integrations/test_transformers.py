@@ -3,9 +3,10 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (DynamicCache, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+from transformers.models.llama import modeling_llama
 
 from nanovllm import kernels
 from nanovllm.integrations.transformers import restore_layers, swap_layers
@@ -133,6 +134,35 @@ def test_swapped_model_matches_under_the_triton_interpreter(family, kernel_calls
     check_swapped_model(family, "triton", kernel_calls)
 
 
+@torch.inference_mode()
+def decode_step(model, keyword):
+    """The first layer's attention output for a token after a 6-token prefix, and the length its
+    cache reaches: the prefix goes through the same attention first, the cache handed over under
+    `keyword` both times."""
+    torch.manual_seed(3)
+    hidden, positions = torch.randn(1, 7, 64), torch.arange(7)[None]
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    cache = DynamicCache()
+    for part in (slice(0, 6), slice(6, 7)):
+        output, _ = model.model.layers[0].self_attn(hidden[:, part], (cos[:, part], sin[:, part]), None,
+                                                    position_ids=positions[:, part], **{keyword: cache})
+    return output, cache.get_seq_length()
+
+
+# transformers 5.24 renamed the attention's past_key_values to cache and still takes the old name.
+@pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning")
+@pytest.mark.parametrize("keyword", ["past_key_values", "cache"])
+def test_the_swapped_attention_keeps_the_cache_under_every_name_transformers_takes(keyword):
+    """Without the cache the token would attend to itself alone: a wrong output that logits of
+    a whole prompt, computed without a cache, never show."""
+    model = build("llama")
+    expected, expected_length = decode_step(model, keyword)
+    swap_layers(model)
+    actual, length = decode_step(model, keyword)
+    assert length == expected_length
+    assert rel_err(actual, expected) < 1e-5
+
+
 def assert_same_parameters(model, params, state):
     assert all(param is params[name] for name, param in model.named_parameters())
     assert dict(model.named_parameters()).keys() == params.keys()
@@ -230,6 +260,16 @@ def test_unsupported_models_raise_and_stay_unchanged(make, message):
         swap_layers(model)
     assert all("forward" not in vars(module) for module in model.modules())
     assert all(torch.equal(model.state_dict()[name], value) for name, value in state.items())
+
+
+def test_an_attention_taking_no_cache_is_refused(monkeypatch):
+    """The swapped attention finds the cache through the parameter typed as one; without it the
+    cache would be dropped, so the swap is refused before anything changes."""
+    model = build("llama")
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", lambda self, hidden_states, **kwargs: None)
+    with pytest.raises(ValueError, match="LlamaAttention.forward has no parameter typed as a Cache"):
+        swap_layers(model)
+    assert all("forward" not in vars(module) for module in model.modules())
 
 
 def test_dynamic_rope_model_swaps_without_rope():

@@ -1,6 +1,7 @@
 """nanovllm/kernels/launch.py: the direct launch and programmatic dependent launch. The direct
 launch's cache key is computed here without a GPU, from the binder Triton generates for a
 kernel; launches go to a stand-in kernel and driver."""
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
-from triton.runtime.jit import create_function_from_signature
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from nanovllm import kernels
 from nanovllm.kernels import dispatch, launch
@@ -64,6 +65,38 @@ def test_the_package_kernels_get_the_launcher_outside_the_interpreter():
         sampling._min_p_draw_kernel, sampling._finalize_kernel))
     interpreted = object()
     assert launch.fast_launch(interpreted) is interpreted
+
+
+def test_the_installed_triton_launches_as_the_fast_path_expects():
+    """The direct launch and the occupancy padding switch off on a Triton whose launch path
+    changed; this is where that shows, on every Triton that CI installs."""
+    assert launch.changed_internals() == [], f"triton {triton.__version__}"
+    assert launch.SUPPORTED
+
+
+def _run_source_with(monkeypatch, old: str, new: str):
+    source = inspect.getsource(JITFunction.run)
+    assert old in source
+    monkeypatch.setattr(inspect, "getsource", lambda fn: source.replace(old, new))
+
+
+def test_a_changed_launch_path_is_noticed(monkeypatch):
+    _run_source_with(monkeypatch, "kernel.packed_metadata, launch_metadata,",
+                     "kernel.packed_metadata, launch_metadata, scratch,")
+    assert len(launch.changed_internals()) == 1 and "kernel.run(" in launch.changed_internals()[0]
+
+
+def test_a_new_option_from_the_knobs_is_noticed(monkeypatch):
+    """An option run takes from triton.knobs would be missing from the direct launch's key."""
+    _run_source_with(monkeypatch, '        kwargs["debug"]',
+                     '        kwargs["sanitize"] = knobs.compilation.sanitize\n        kwargs["debug"]')
+    assert launch.changed_internals() == ["run's option sanitize"]
+
+
+def test_packed_metadata_in_another_layout_is_noticed(monkeypatch):
+    backend = SimpleNamespace(pack_metadata=lambda m: (m.num_warps, m.num_ctas, m.shared, 0))
+    monkeypatch.setattr(launch, "make_backend", lambda target: backend)
+    assert launch.changed_internals() == ["packed_metadata as (num_warps, num_ctas, shared memory bytes)"]
 
 
 class _StandIn:
@@ -151,12 +184,15 @@ def test_hooks_debug_and_the_switch_keep_triton_s_own_path(stand_in, monkeypatch
         launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    monkeypatch.setattr(knobs.runtime, "debug", True)
-    launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4)
-    monkeypatch.setattr(knobs.runtime, "debug", False)
+    for knob, name, value in ((knobs.runtime, "debug", True), (knobs.compilation, "instrumentation_mode", "consan"),
+                              (knobs.compilation, "fpsan_homomorphic_casts", True),  # Triton 3.9
+                              (knobs.runtime, "add_stages_inspection_hook", lambda: ("key", "hash"))):
+        with monkeypatch.context() as patch:
+            patch.setattr(knob, name, value, raising=False)
+            launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4)
     monkeypatch.setattr(launch, "enabled", False)
     launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4)
-    assert len(kernel.normal) == 4 and not kernel.direct
+    assert len(kernel.normal) == 7 and not kernel.direct
     monkeypatch.setattr(launch, "enabled", True)
     launcher[(1,)](x, 7, 32, 1e-6, BLOCK=64, num_warps=4)
     assert len(kernel.direct) == 1

@@ -11,31 +11,27 @@ and broadcasts the tokens, which the next step's decode inputs on every rank are
 import atexit
 import contextlib
 import functools
-import os
 import random
 import struct
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xxhash
 
 from nanovllm import distributed, kernels
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
+from nanovllm.engine import sampler_warmup
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.worker import WorkerError, Workers, start_ranks
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import MODEL_REGISTRY
-from nanovllm.sampling_params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams
+from nanovllm.sampling_params import GREEDY_TEMPERATURE, MAX_LOGPROBS
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 LOGITS_IN_GRAPH_MAX_ROWS = 16
-# Triton compiles an integer argument apart when it is 1 and when it is a multiple of 16:
-# a row count of each kind.
-_SPECIALIZED_COUNTS = (1, 2, 16)
 # What a closed runner keeps: the settings and its ranks' handle, no tensor.
 _KEPT_WHEN_CLOSED = {"config", "rank", "tp_size", "device", "dtype", "closed", "workers"}
 
@@ -458,18 +454,18 @@ class ModelRunner:
     def _warm_up_sampler(self) -> None:
         """Launches once every variant of the sampling kernels that a step can launch, so that
         Triton compiles each (or loads it from its cache) now, not in the first request that
-        needs it: a draw for each of _sampler_warmup_params, then a publish of each kind of row
-        count. Every rank computes the LM head's logits, in the layout of a step's (with
-        several ranks, gathered to rank 0); rank 0 draws."""
+        needs it: a draw for each of sampler_warmup.warmup_params(), then a publish of each
+        kind of row count. Every rank computes the LM head's logits, in the layout of a step's
+        (with several ranks, gathered to rank 0); rank 0 draws."""
         hidden = torch.zeros(1, self.config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is None:
             return
         draws = [functools.partial(self._sample, None, None, [0], [Sequence(0, [0], params)], logits)
-                 for params in _sampler_warmup_params()]
+                 for params in sampler_warmup.warmup_params()]
         draws[0]()  # alone: a kernel's first launch sets up its caches
-        _in_parallel(draws[1:], self.device)
-        for count in _SPECIALIZED_COUNTS:
+        sampler_warmup.in_parallel(draws[1:], self.device)
+        for count in sampler_warmup.SPECIALIZED_COUNTS:
             if count <= self.config.max_num_seqs:
                 kernels.publish_tokens(torch.zeros(count, dtype=torch.long, device=self.device), self.last_tokens,
                                        self.sampled_host, self.publish_parity)
@@ -658,35 +654,6 @@ def _drop_weight_loaders(model) -> None:
     collector runs. Nothing loads weights after the build."""
     for param in model.parameters():
         vars(param).pop("weight_loader", None)
-
-
-def _sampler_warmup_params() -> list[SamplingParams]:
-    """A request for each variant of the sampling kernels that a step can launch. A step's
-    variant is its rows' together: whether any row ranks (top-k / top-p), and then the class
-    of the largest top-k (kernels.sampling.max_top_k_variants); whether any has min-p; whether
-    any asks for log-probabilities. One row of each combination thus reaches every step's
-    variant. The first launches every kernel."""
-    from nanovllm.kernels.sampling import max_top_k_variants  # Triton's: imported only where it serves
-    rankings = [dict(top_k=k) for k in max_top_k_variants()] + [dict(top_p=0.5), {}]
-    return [SamplingParams(seed=0, min_p=min_p, logprobs=logprobs, **ranking)
-            for ranking in rankings for min_p in (0.5, 0.0) for logprobs in (1, None)]
-
-
-def _in_parallel(calls: list, device: torch.device) -> None:
-    """Makes the calls: on CUDA in threads, on this thread's GPU (Triton's compiler leaves the
-    GIL for much of its work, so compiles overlap); elsewhere one after another (no compiler
-    runs, and Triton's interpreter is not thread-safe)."""
-    if device.type != "cuda":
-        for call in calls:
-            call()
-        return
-    index = torch.cuda.current_device()
-
-    def run(call):
-        with torch.inference_mode(), torch.cuda.device(index):
-            call()
-    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
-        list(pool.map(run, calls))  # raises the first failure
 
 
 def _wait_for(workers: Workers | None, event: torch.cuda.Event) -> None:

@@ -37,7 +37,7 @@ def local_store(world_size: int, port: int = 0) -> dist.TCPStore:
 def init(rank: int, world_size: int, device: torch.device, store: dist.Store | None = None) -> None:
     """Joins the group through `store`, or through torchrun's env:// variables without one."""
     global _rank, _world_size
-    if _abort_pending():
+    if abort_pending():
         raise RuntimeError("this process holds the NCCL group of a tensor-parallel engine whose rank failed, and "
                            "aborting it did not finish; start another tensor-parallel engine in a new process")
     if device.type == "cuda":
@@ -56,7 +56,8 @@ ABORT_WAIT_S = 10.0
 _abandoned: threading.Thread | None = None
 
 
-def _abort_pending() -> bool:
+def abort_pending() -> bool:
+    """Whether an abort of a failed group still runs in its thread (destroy)."""
     return _abandoned is not None and _abandoned.is_alive()
 
 
@@ -64,7 +65,7 @@ def destroy(abort: bool = False) -> None:
     """Leaves the group. `abort` after a rank failed: NCCL operations waiting for the lost rank
     would otherwise never finish, and a plain destroy would wait for them."""
     global _rank, _world_size, _abandoned
-    if dist.is_initialized() and not _abort_pending():
+    if dist.is_initialized() and not abort_pending():
         if abort and dist.get_backend() == "nccl":
             aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, daemon=True,
                                         name="nanovllm-nccl-abort")

@@ -64,7 +64,11 @@ class LLM(LLMEngine):
         return super().__new__(cls)
 
     def close(self) -> None:
-        """Stops the tensor-parallel ranks and leaves their group; later steps raise."""
+        """Stops the tensor-parallel ranks, leaves their group and frees the engine's device
+        memory (weights, KV cache, CUDA graphs), so that another engine can start in this
+        process; a step still in flight is dropped. Later steps raise; closing again does
+        nothing."""
+        self._in_flight.clear()
         self.model_runner.close()
 
     def __enter__(self):

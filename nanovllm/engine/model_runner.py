@@ -9,6 +9,8 @@ ranks 1..N-1 (nanovllm.engine.worker), each a runner of the same class owning it
 each step's prepared inputs to them, and all run the same forward pass. Rank 0 alone samples
 and broadcasts the tokens, which the next step's decode inputs on every rank are taken from."""
 import atexit
+import contextlib
+import functools
 import random
 import struct
 import weakref
@@ -18,9 +20,10 @@ import xxhash
 
 from nanovllm import distributed, kernels
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
+from nanovllm.engine import sampler_warmup
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import PLACEHOLDER
-from nanovllm.engine.worker import Workers, start_ranks
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.worker import WorkerError, Workers, start_ranks
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import MODEL_REGISTRY
@@ -29,6 +32,8 @@ from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 LOGITS_IN_GRAPH_MAX_ROWS = 16
+# What a closed runner keeps: the settings and its ranks' handle, no tensor.
+_KEPT_WHEN_CLOSED = {"config", "rank", "tp_size", "device", "dtype", "closed", "workers"}
 
 
 class SampledTokens:
@@ -157,18 +162,38 @@ class ModelRunner:
         self._last_sample_rows: dict[int, int] = {}  # each sampling request's row in last_tokens
         if self.device.type == "cuda" and not self.config.enforce_eager and kernels.graph_capturable(self.device):
             self._capture_graphs()
+        if self.device.type == "cuda" and kernels.backend_for(self.device) == "triton":
+            self._warm_up_sampler()
 
     def close(self) -> None:
-        """Drops the CUDA graphs and, on rank 0 of several, stops the other ranks and leaves
-        their group. Later steps raise."""
+        """Stops the other ranks (rank 0 of several) and leaves their group, then frees the
+        device memory the runner holds: another engine may start in this process. Later
+        steps raise; closing again does nothing."""
+        if self.closed:
+            return
         self.closed = True
         if self.workers:
+            with contextlib.suppress(WorkerError):  # a rank gone since the last step: its group is aborted
+                self.workers.check()
             self._shutdown()
-            return
-        for held in (self.graphs, self.graph_logits, self.sample_graphs):
-            held.clear()
-        if self.tp_size > 1:
+        self._release()
+        if self.tp_size > 1 and not self.workers:  # NCCL communicators go after the graphs captured with them
             distributed.destroy()
+
+    def _release(self) -> None:
+        """Drops every attribute but the settings: the model, the KV cache, the CUDA graphs (and
+        with them their memory pool), the staging and sampling buffers; then returns the
+        allocator's cached blocks to the device, where other processes see them."""
+        cuda = self.device.type == "cuda" and not distributed.abort_pending()  # else waits could hang on the lost rank
+        if cuda:  # kernels still in flight store into pinned memory, which a free would hand on
+            torch.cuda.synchronize()
+        for held in (self.graphs, self.graph_logits, self.sample_graphs):  # also held by the ranks' finalizer
+            held.clear()
+        for name in vars(self).keys() - _KEPT_WHEN_CLOSED:
+            delattr(self, name)
+        reset_context()  # a step cut short leaves its tensors there
+        if cuda:
+            torch.cuda.empty_cache()
 
     # --- building -----------------------------------------------------------------------
     def _build_model(self):
@@ -183,6 +208,7 @@ class ModelRunner:
             init_dummy_weights(model)
         else:
             load_model(model, self.config.model)
+        _drop_weight_loaders(model)
         return model.eval()
 
     def block_bytes(self) -> int:
@@ -276,15 +302,12 @@ class ModelRunner:
         if self.workers:
             event = torch.cuda.Event()
             event.record()
-            self._wait_for(event)
+            _wait_for(self.workers, event)
         torch.cuda.synchronize()
 
-    def _wait_for(self, event: torch.cuda.Event) -> None:
-        """event.synchronize(), watching the other ranks meanwhile: the collectives of a step
-        whose rank is gone never end."""
-        if self.workers:
-            self.workers.wait_event(event)
-        event.synchronize()
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed")
 
     # --- one step -------------------------------------------------------------------------
     def _to_device(self, values, dtype) -> torch.Tensor:
@@ -326,8 +349,7 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch) -> SampledTokens:
         """Queues one forward pass and the sampling of every sequence in `batch.sample_rows`;
         returns their tokens without waiting for them."""
-        if self.closed:
-            raise RuntimeError("the engine is closed")
+        self._check_open()
         step = self.prepare(batch)
         seqs = [batch.seqs[row] for row in batch.sample_rows]
         if self.workers:
@@ -342,8 +364,10 @@ class ModelRunner:
         self._last_sample_rows = {seq.request_id: i for i, seq in enumerate(seqs)}
         num_logprobs = None if self._last_logprobs is None else [seq.params.logprobs for seq in seqs]
         row = self._publish_row
+        # The wait holds the ranks, not the runner: the runner keeps its readers, and a cycle
+        # would keep the device memory until the garbage collector finds it.
         sampled = SampledTokens(None if row is None else self.sampled_host[row, :len(seqs)], self.pin,
-                                self._wait_for, self._last_logprobs, num_logprobs)
+                                functools.partial(_wait_for, self.workers), self._last_logprobs, num_logprobs)
         if row is not None:
             self._readers[row] = sampled
         return sampled
@@ -425,6 +449,28 @@ class ModelRunner:
         max_top_k = max(k for s, k in zip(seqs, top_ks) if _ranks(s.params))
         return (temperatures, seeds, self._to_device(top_ks, torch.long),
                 self._to_device([s.params.top_p for s in seqs], torch.float32), min_ps, max_top_k)
+
+    @torch.inference_mode()
+    def _warm_up_sampler(self) -> None:
+        """Launches once every variant of the sampling kernels that a step can launch, so that
+        Triton compiles each (or loads it from its cache) now, not in the first request that
+        needs it: a draw for each of sampler_warmup.warmup_params(), then a publish of each
+        kind of row count. Every rank computes the LM head's logits, in the layout of a step's
+        (with several ranks, gathered to rank 0); rank 0 draws."""
+        hidden = torch.zeros(1, self.config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        logits = self.model.compute_logits(hidden)
+        if logits is None:
+            return
+        draws = [functools.partial(self._sample, None, None, [0], [Sequence(0, [0], params)], logits)
+                 for params in sampler_warmup.warmup_params()]
+        draws[0]()  # alone: a kernel's first launch sets up its caches
+        sampler_warmup.in_parallel(draws[1:], self.device)
+        for count in sampler_warmup.SPECIALIZED_COUNTS:
+            if count <= self.config.max_num_seqs:
+                kernels.publish_tokens(torch.zeros(count, dtype=torch.long, device=self.device), self.last_tokens,
+                                       self.sampled_host, self.publish_parity)
+        self.publish_parity.zero_()  # the host counts publishes from 0
+        self._synchronize()
 
     def _noise_seed(self, seq) -> int:
         """The sampling noise key of a sequence's next token: from its seed and position when
@@ -569,7 +615,7 @@ class ModelRunner:
                          list(struct.unpack(f"{len(temperatures)}i", struct.pack(f"{len(temperatures)}f", *temperatures)))]
         values = kernels.staged_values(token_rows, seq_rows, step["block_tables"])
         slot = self._staged % 2
-        self._wait_for(self._staged_events[slot])  # the replay two back has read it
+        _wait_for(self.workers, self._staged_events[slot])  # the replay two back has read it
         self._staging_slots[slot, :len(values)] = values
         (self.graphs if sampled_seqs is None else self.sample_graphs)[shape].replay()
         self._staged_events[slot].record()
@@ -577,6 +623,7 @@ class ModelRunner:
         return None if shape in self.graph_logits else self.graph_output[:num_tokens]
 
     def memory_stats(self) -> dict:
+        self._check_open()
         stats = {"kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
         if self.device.type == "cuda":
             stats.update(device_allocated_bytes=torch.cuda.memory_allocated(self.device),
@@ -599,6 +646,22 @@ def _plain_draws(seqs, num_seqs: int) -> bool:
     """Every one of the step's sequences samples, without filters or log-probabilities."""
     return seqs is not None and len(seqs) == num_seqs and all(
         s.params.logprobs is None and not _ranks(s.params) and s.params.min_p <= 0 for s in seqs)
+
+
+def _drop_weight_loaders(model) -> None:
+    """A parameter's weight_loader is bound to its module, which holds the parameter: a cycle
+    that would keep the weights on the device after the engine is dropped, until the garbage
+    collector runs. Nothing loads weights after the build."""
+    for param in model.parameters():
+        vars(param).pop("weight_loader", None)
+
+
+def _wait_for(workers: Workers | None, event: torch.cuda.Event) -> None:
+    """event.synchronize(), watching the other ranks meanwhile: the collectives of a step
+    whose rank is gone never end."""
+    if workers:
+        workers.wait_event(event)
+    event.synchronize()
 
 
 def _shutdown(workers: Workers, graphs: dict) -> None:

@@ -507,3 +507,12 @@ def _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs
         return tokens, None
     scale = torch.where(temperatures > 0, temperatures, 1).float()[:, None]
     return tokens, (logits.float() / scale).log_softmax(dim=-1).gather(1, tokens[:, None]).view(-1)
+
+
+def max_top_k_variants() -> list[int]:
+    """A max_top_k for each variant of the kernels that sample() launches with top_ks /
+    top_ps: the largest bound of each k_pad of the sort-free path, then one past
+    SORT_FREE_TOP_K (filtered through a sort, then drawn by the unfiltered kernels on float32
+    logits). Launching each compiles them all ahead of use."""
+    k_pads = {next_power_of_2(max(bound, 2)): bound for bound in range(1, SORT_FREE_TOP_K + 1)}
+    return sorted(k_pads.values()) + [SORT_FREE_TOP_K + 1]

@@ -149,4 +149,4 @@ def test_abort_that_does_not_return_is_left_to_its_thread(monkeypatch):
     distributed.destroy(abort=True)  # a second teardown does not abort again
     release.set()
     distributed._abandoned.join(TIMEOUT_S)
-    assert not distributed._abort_pending()
+    assert not distributed.abort_pending()

@@ -15,7 +15,7 @@ import torch
 
 import nanovllm
 from checkpoints import build_checkpoint
-from nanovllm import SamplingParams, kernels
+from nanovllm import LLM, SamplingParams, kernels
 from nanovllm.kernels import dispatch, reference
 
 SAMPLING_OPS = {"sample", "publish_tokens"}  # the Triton kernels a step's sampling launches
@@ -94,7 +94,6 @@ def test_steps_launch_only_variants_the_warmup_launched(model, alone, batches, l
                                                         big_vocab_model):
     """Requests alone (a step's variant is its one row's) and in batches of up to 8 (the rows'
     together), with any sampling parameters."""
-    from nanovllm import LLM
     if model == "checkpoint":
         path, engine = build_checkpoint(tmp_path_factory.mktemp("warmup"), arch="qwen3", tied=True), ENGINE
     else:  # the interpreter's scan of 33,000 tokens is slow: fewer steps

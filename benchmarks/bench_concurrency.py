@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from bench import CONFIGS, save_hf_checkpoint, versions
+from nanovllm.entrypoints.bench import CONFIGS, save_hf_checkpoint, versions
 from nanovllm import LLM, SamplingParams
 
 

@@ -22,7 +22,7 @@ from triton.runtime.errors import OutOfResources
 from benchmarks.bench_latency import CONFIGS, copy_rate_gbs, write_json
 from benchmarks.kernel_cases import relative_error
 from nanovllm import kernels
-from nanovllm.config import ModelConfig
+from nanovllm.models import model_config_from_dir
 
 MODELS = ("qwen3-0.6b", "qwen3-8b")
 ROWS = (1, 2, 4, 8, 16)
@@ -31,7 +31,7 @@ SWEEP_TILES = ((32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), 
 
 def projections(name: str) -> dict[str, tuple[int, int]]:
     """Projection -> (N, K) of the packaged config `name`."""
-    c = ModelConfig.from_dir(os.path.join(CONFIGS, name))
+    c = model_config_from_dir(os.path.join(CONFIGS, name))
     q = c.num_attention_heads * c.head_dim
     return {"qkv": (q + 2 * c.num_key_value_heads * c.head_dim, c.hidden_size), "o": (c.hidden_size, q),
             "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),

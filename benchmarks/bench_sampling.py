@@ -91,8 +91,8 @@ def kernel_table(args) -> dict:
 
 def engine_ratio() -> dict:
     """bench.py's workload, plain and filtered, interleaved in one process."""
-    import bench
     from nanovllm import LLM, SamplingParams
+    from nanovllm.entrypoints import bench
     args = argparse.Namespace(model=None, load_format=None, num_seqs=None, min_input_len=None, max_input_len=None,
                               min_output_len=None, max_output_len=None, device="auto", dtype="auto")
     bench.apply_defaults(args)

@@ -23,7 +23,7 @@ import time
 import httpx
 import numpy as np
 
-from bench import GPU_DEFAULTS, make_workload, versions
+from nanovllm.entrypoints.bench import GPU_DEFAULTS, make_workload, versions
 
 PERCENTILES = (50, 90, 99)
 

@@ -8,7 +8,7 @@ Both keep one step in flight on the device, so the two rates should be close.
 """
 import time
 
-from bench import apply_defaults, device_name, make_workload, parse_args, sync, timed_generate
+from nanovllm.entrypoints.bench import apply_defaults, device_name, make_workload, parse_args, sync, timed_generate
 from nanovllm import LLM, SamplingParams
 
 

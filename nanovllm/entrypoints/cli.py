@@ -1,11 +1,8 @@
 """The `nanovllm` command: `nanovllm serve MODEL_DIR` runs the OpenAI-compatible server,
-`nanovllm bench` runs bench.py's throughput workload (from a source checkout)."""
+`nanovllm bench` runs bench.py's throughput workload."""
 import argparse
 import dataclasses
 import os
-import runpy
-import sys
-from pathlib import Path
 
 from nanovllm.config import Config
 
@@ -71,11 +68,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_bench(rest: list[str]) -> int:
-    script = str(Path(__file__).resolve().parents[2] / "bench.py")
-    if not os.path.isfile(script):
-        raise SystemExit("nanovllm bench: bench.py not found; it runs from a source checkout (pip install -e .)")
-    sys.argv = [script, *rest]
-    runpy.run_path(script, run_name="__main__")
+    from nanovllm.entrypoints import bench
+    bench.main(rest)
     return 0
 
 

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm import distributed, kernels
-from nanovllm.layers.linear import copy_checked, tensor_parallel_rank_and_size
+from nanovllm.layers.linear import tensor_parallel_rank_and_size
+from nanovllm.utils.loader import copy_checked
 
 
 class VocabEmbedding(nn.Module):

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from nanovllm import kernels
-from nanovllm.layers.linear import copy_checked
+from nanovllm.utils.loader import copy_checked
 
 
 class RMSNorm(nn.Module):

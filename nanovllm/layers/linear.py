@@ -6,18 +6,13 @@ import torch
 from torch import nn
 
 from nanovllm import distributed, kernels
+from nanovllm.utils.loader import copy_checked
 
 
 def tensor_parallel_rank_and_size() -> tuple[int, int]:
     """This process's rank and the number of ranks a model built now is split across (0 and 1
     outside a tensor-parallel engine)."""
     return distributed.rank_and_size()
-
-
-def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}")
-    param.data.copy_(loaded)
 
 
 class LinearBase(nn.Module):

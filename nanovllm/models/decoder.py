@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.config import ModelConfig
+from nanovllm.models.model_config import ModelConfig
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_mlp import CustomGatedMLP
 from nanovllm.layers.embed_head import LMHead, VocabEmbedding

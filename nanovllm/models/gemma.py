@@ -1,7 +1,7 @@
 """Gemma (1): GeGLU MLP (the fused gelu_and_mul kernel), RMSNorm scaling by 1 + weight,
 embeddings scaled by sqrt(hidden_size) in the model's dtype, head_dim from the config (256 in
 the published models), LM head tied to the embedding."""
-from nanovllm.config import ModelConfig
+from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
 
 

@@ -1,6 +1,6 @@
 """Qwen3 and Qwen2. They differ from the plain decoder only in attention: Qwen3 normalises q
 and k per head, Qwen2 always has q/k/v biases (and none on o_proj)."""
-from nanovllm.config import ModelConfig
+from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
 
 

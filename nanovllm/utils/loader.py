@@ -8,7 +8,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanovllm.layers.linear import copy_checked
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    """The weight_loader of parameters that take a checkpoint tensor whole."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}")
+    param.data.copy_(loaded)
 
 
 def safetensors_files(model_dir: str) -> list[str]:

@@ -9,7 +9,7 @@ SIZES = ["--num-prompts", "6", "--min-input-len", "4", "--max-input-len", "16", 
 def test_bench_serving_reports_every_request(server, tmp_path):
     result = main(["--base-url", server.url, *SIZES, "--max-concurrency", "2", "--request-rate", "inf,40",
                    "--out", str(tmp_path)])
-    from bench import make_workload
+    from nanovllm.entrypoints.bench import make_workload
     from benchmarks.bench_serving import parse_args
     _, params = make_workload(parse_args(SIZES))
     assert result["model"] == "tiny" and len(result["runs"]) == 2

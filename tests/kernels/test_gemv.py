@@ -246,9 +246,9 @@ def test_prefetch_shares_lines_among_programs_up_to_a_bound(monkeypatch):
 def test_decoder_projections_read_ahead_in_decode_order():
     """Each projection's following one is the next a decode step runs; the chain adds no
     parameters or submodules."""
-    from nanovllm.config import ModelConfig
+    from nanovllm.models import model_config_from_dir
     from nanovllm.models.qwen3 import Qwen3ForCausalLM
-    config = ModelConfig.from_dir(str(Path(kernels.__file__).parents[1] / "configs" / "qwen3-tiny"))
+    config = model_config_from_dir(str(Path(kernels.__file__).parents[1] / "configs" / "qwen3-tiny"))
     model = Qwen3ForCausalLM(config)
     order = [p for layer in model.model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -7,7 +7,7 @@ import pytest
 
 from checkpoints import LLAMA3_ROPE, config_of
 from nanovllm import LLM
-from nanovllm.config import ModelConfig
+from nanovllm.models import model_config
 
 BASE = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -16,11 +16,11 @@ LLAMA3_SCALING = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
 
 
 def test_llama3_layouts_of_transformers_4_and_5_agree():
-    v5 = ModelConfig.from_dict({**LLAMA, "rope_parameters": LLAMA3_ROPE})
-    v4 = ModelConfig.from_dict({**LLAMA, "rope_theta": LLAMA3_ROPE["rope_theta"], "rope_scaling": LLAMA3_SCALING})
+    v5 = model_config({**LLAMA, "rope_parameters": LLAMA3_ROPE})
+    v4 = model_config({**LLAMA, "rope_theta": LLAMA3_ROPE["rope_theta"], "rope_scaling": LLAMA3_SCALING})
     oldest = {**LLAMA3_SCALING, "type": "llama3"}
     del oldest["rope_type"]
-    v4_type = ModelConfig.from_dict({**LLAMA, "rope_theta": LLAMA3_ROPE["rope_theta"], "rope_scaling": oldest})
+    v4_type = model_config({**LLAMA, "rope_theta": LLAMA3_ROPE["rope_theta"], "rope_scaling": oldest})
     assert v4 == v5 == v4_type
     assert v5.rope_theta == 500_000.0 and v5.rope_scaling == LLAMA3_SCALING
 
@@ -28,9 +28,9 @@ def test_llama3_layouts_of_transformers_4_and_5_agree():
 def test_original_max_position_embeddings_as_transformers_reads_it():
     scaling = {k: v for k, v in LLAMA3_SCALING.items() if k != "original_max_position_embeddings"}
     config = {**LLAMA, "rope_scaling": scaling, "max_position_embeddings": 2048}
-    assert ModelConfig.from_dict(config).rope_scaling["original_max_position_embeddings"] == 2048
+    assert model_config(config).rope_scaling["original_max_position_embeddings"] == 2048
     top_level = {**config, "rope_scaling": LLAMA3_SCALING, "original_max_position_embeddings": 4096}
-    assert ModelConfig.from_dict(top_level).rope_scaling["original_max_position_embeddings"] == 4096
+    assert model_config(top_level).rope_scaling["original_max_position_embeddings"] == 4096
 
 
 @pytest.mark.parametrize("architecture,expected", [
@@ -39,18 +39,18 @@ def test_original_max_position_embeddings_as_transformers_reads_it():
     ("GemmaForCausalLM", dict(head_dim=256, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
 ])
 def test_family_defaults_fill_missing_fields(architecture, expected):
-    config = ModelConfig.from_dict({**BASE, "architectures": [architecture]})
+    config = model_config({**BASE, "architectures": [architecture]})
     assert {name: getattr(config, name) for name in expected} == expected
 
 
 def test_fields_that_switch_features_off():
     mistral = {**BASE, "architectures": ["MistralForCausalLM"]}
-    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).sliding_window is None
+    assert model_config({**mistral, "sliding_window": None}).sliding_window is None
     qwen = {**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": False}
-    assert ModelConfig.from_dict(qwen).sliding_window is None
+    assert model_config(qwen).sliding_window is None
     gemma = {**BASE, "architectures": ["GemmaForCausalLM"], "hidden_act": "gelu"}
-    assert ModelConfig.from_dict(gemma).hidden_act == "gelu"
-    assert ModelConfig.from_dict({**gemma, "hidden_activation": "gelu_pytorch_tanh"}).hidden_act == "gelu_pytorch_tanh"
+    assert model_config(gemma).hidden_act == "gelu"
+    assert model_config({**gemma, "hidden_activation": "gelu_pytorch_tanh"}).hidden_act == "gelu_pytorch_tanh"
 
 
 BAD_CONFIGS = {
@@ -79,7 +79,7 @@ BAD_CONFIGS = {
 def test_bad_config_names_the_field(name):
     change, field = BAD_CONFIGS[name]
     with pytest.raises(ValueError, match=rf"^{field}:"):
-        ModelConfig.from_dict({**LLAMA, **change})
+        model_config({**LLAMA, **change})
 
 
 @pytest.mark.parametrize("name", ["yarn", "llama3_without_low_freq_factor", "window_zero"])

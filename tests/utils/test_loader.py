@@ -9,7 +9,7 @@ import torch
 from checkpoints import build_checkpoint, copy_checkpoint
 
 from nanovllm import LLM
-from nanovllm.config import ModelConfig
+from nanovllm.models import model_config
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, kvcache_block_size=16, num_kvcache_blocks=8)
 BASE = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
@@ -22,8 +22,8 @@ def checkpoint(tmp_path_factory):
 
 
 def test_config_layouts_of_transformers_4_and_5_agree():
-    v4 = ModelConfig.from_dict({**BASE, "rope_theta": 5e5, "torch_dtype": "float16"})
-    v5 = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+    v4 = model_config({**BASE, "rope_theta": 5e5, "torch_dtype": "float16"})
+    v5 = model_config({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
                                 "dtype": "float16"})
     assert v4 == v5
     assert v4.rope_theta == 5e5 and v4.torch_dtype == torch.float16 and v4.head_dim == 8
@@ -32,14 +32,14 @@ def test_config_layouts_of_transformers_4_and_5_agree():
 
 def test_qwen2_has_qkv_bias_and_no_qk_norm():
     from nanovllm.models import MODEL_REGISTRY
-    config = ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"]})
+    config = model_config({**BASE, "architectures": ["Qwen2ForCausalLM"]})
     options = MODEL_REGISTRY["Qwen2ForCausalLM"].options(config)
     assert options.qkv_bias and not options.o_bias and not options.qk_norm
 
 
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(ValueError, match="Qwen3ForCausalLM.*Qwen2ForCausalLM.*LlamaForCausalLM"):
-        ModelConfig.from_dict({**BASE, "architectures": ["GPT2LMHeadModel"]})
+        model_config({**BASE, "architectures": ["GPT2LMHeadModel"]})
 
 
 def test_pickled_weights_are_not_loaded(checkpoint, tmp_path):

@@ -158,6 +158,9 @@ class Bench:
                     block_tables=block_tables, max_seqlen_q=max(spec["query_lens"]), scale=head_dim ** -0.5)
 
     def run(self, w: dict, config=None, num_splits=None, cuda_decode=None):
+        """cuda_decode None: as the engine's calls, by NANOVLLM_PAGED_DECODE."""
+        if cuda_decode is None:
+            cuda_decode = self.dispatch.PAGED_DECODE == "cuda"
         return self.attention.paged_attention(**w, config=config, num_splits=num_splits, cuda_decode=cuda_decode)
 
     def checked(self, name: str, w: dict, config=None, num_splits=None, cuda_decode=None):

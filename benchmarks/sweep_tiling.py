@@ -1,4 +1,4 @@
-"""Sweeps the launch rule of the elementwise and norm kernels (nanovllm/kernels/_tiling.py:
+"""Sweeps the launch rule of the elementwise and norm kernels (nanovllm/kernels/tiling.py:
 rows a program takes, warps it runs with) to show how to choose them: against torch.compile
 at decode sizes (1, 64, 256 rows), and against the device's copy rate at 4096 rows.
 
@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.bench_kernels import raise_recompile_limit
 from benchmarks.kernel_cases import OPS
-from nanovllm.kernels import _tiling, backend_for
+from nanovllm.kernels import tiling, backend_for
 from nanovllm.utils.timing import benchmark_kernel, clone_arguments, device_copy_gbs
 
 # (op, launcher module, [(width, strided)]): the kernel benchmark's timed shapes (Qwen3-0.6B and
@@ -65,7 +65,7 @@ def tiling(module, rows: float | None = None, warps: int | None = None, cols: in
     def rows_per_program(n_rows, row_elements, *rest):
         r = saved["rows_per_program"](n_rows, row_elements, *rest)
         if rows is not None:  # capped like the rule: more rows than there are would be masked
-            r = min(max(1, int(r * rows)), _tiling.next_power_of_2(n_rows))
+            r = min(max(1, int(r * rows)), tiling.next_power_of_2(n_rows))
         used.update(R=r, C=row_elements)
         return r
 

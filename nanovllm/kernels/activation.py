@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
+from nanovllm.kernels.tiling import cdiv, next_power_of_2, num_warps, rows_per_program
 
 _MAX_BLOCK_C = 1024  # divides the real hidden sizes (1024..8192, 3072) without a ragged tail
 # Half the shared rule's tile: three sweeps found it faster for silu_and_mul and

@@ -11,12 +11,12 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels import dispatch
-from nanovllm.kernels._tiling import cdiv, next_power_of_2
-from nanovllm.kernels.gemv import _prefetch_l2
+from nanovllm.kernels.gemv import prefetch_l2
+from nanovllm.kernels.interpreter import INTERPRETER
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
+from nanovllm.kernels.tiling import cdiv, next_power_of_2
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 # Splitting aims at this many working programs per SM: one program's loads in flight while
 # another computes, and long splits, few partials (more splits measured slower:
 # docs/rejected.md).
@@ -85,7 +85,7 @@ def _tile_block(block_table_row, start, stride_btc, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _kv_rows(block_table_row, start, offs_n, in_range, stride_btc, stride_kb, stride_kt, stride_vb, stride_vt,
+def kv_rows(block_table_row, start, offs_n, in_range, stride_btc, stride_kb, stride_kt, stride_vb, stride_vt,
              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Offsets of keys start + offs_n in the K and V caches."""
     if BLOCK_N <= BLOCK_SIZE:
@@ -125,7 +125,7 @@ def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv
         k = k_desc.load([cache_row, kv_col])
         v = v_desc.load([cache_row, kv_col])
     else:
-        k_rows, v_rows = _kv_rows(block_table_row, start, offs_n, in_range, stride_btc, stride_kb, stride_kt,
+        k_rows, v_rows = kv_rows(block_table_row, start, offs_n, in_range, stride_btc, stride_kb, stride_kt,
                                   stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
         k = _load_rows(k_head_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, in_range, d_mask, MASKED, PAD_D)
         v = _load_rows(v_head_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, in_range, d_mask, MASKED, PAD_D)
@@ -156,7 +156,7 @@ def _softmax_step(acc, m_i, l_i, q, k, v, pos, row_first, row_limit, qk_scale, M
 
 
 @triton.jit
-def _split_rows(token, head, num_splits, NUM_HEADS: tl.constexpr):
+def split_rows(token, head, num_splits, NUM_HEADS: tl.constexpr):
     """Rows of this program's split in the [tokens, heads, splits] scratch buffers. Computed
     where needed rather than once: kept live across the key loops it cost prefill tiles 40
     registers (sm_90)."""
@@ -234,7 +234,7 @@ def _paged_attention_kernel(
         # Only a whole tile is: a shorter run of written keys is read by the loops, once.
         pre_keys = tl.where(seq_len - q_len >= BLOCK_N, BLOCK_N, 0)
         pre_in = offs_n < pre_keys
-        pre_k_rows, pre_v_rows = _kv_rows(block_table_row, 0, offs_n, pre_in, stride_btc, stride_kb, stride_kt,
+        pre_k_rows, pre_v_rows = kv_rows(block_table_row, 0, offs_n, pre_in, stride_btc, stride_kb, stride_kt,
                                           stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
         pre_k = _load_rows(k_head_ptr + pre_k_rows[:, None] + offs_d[None, :] * stride_kd, pre_in, d_mask, True,
                            PAD_D)
@@ -244,10 +244,10 @@ def _paged_attention_kernel(
             # Rows gathered from small blocks: the loop's first tile, requested only after the
             # wait and the query's load, would otherwise start its round trips then.
             next_in = BLOCK_N + offs_n < seq_len - q_len
-            next_k_rows, next_v_rows = _kv_rows(block_table_row, BLOCK_N, offs_n, next_in, stride_btc, stride_kb,
+            next_k_rows, next_v_rows = kv_rows(block_table_row, BLOCK_N, offs_n, next_in, stride_btc, stride_kb,
                                                 stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE)
-            _prefetch_l2(k_head_ptr + next_k_rows)
-            _prefetch_l2(v_head_ptr + next_v_rows)
+            prefetch_l2(k_head_ptr + next_k_rows)
+            prefetch_l2(v_head_ptr + next_v_rows)
     # Before the exit: were every program to leave without waiting, the kernel could finish
     # ahead of its predecessor and release the next kernel too early.
     await_previous_kernel(PDL)
@@ -300,7 +300,7 @@ def _paged_attention_kernel(
             # No row of the tile sees a key of this split: past seq_len (most splits of a short
             # sequence in a padded decode graph) or past every row's causal limit. lse = -inf
             # alone tells the merge to skip the split, partial output unread.
-            split_row = _split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
+            split_row = split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
             tl.store(lse_ptr + split_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_mask)
             return
 
@@ -345,7 +345,7 @@ def _paged_attention_kernel(
     acc = acc / l_safe[:, None]
     store_mask = row_mask[:, None] & d_mask[None, :]
     if SPLIT:
-        split_row = _split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
+        split_row = split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
         tl.store(out_ptr + split_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
         tl.store(lse_ptr + split_row, tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf")), mask=row_mask)
     elif KV_PACK > 1:
@@ -404,7 +404,7 @@ def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dt
     (max_seqlen_q == 1) are bandwidth bound: the smallest M that tl.dot takes. Longer queries
     are compute bound: M of 128 for the tensor cores. `split`: the grid is split (see
     split_plan), so at most about two programs share an SM. `block_size`: the KV cache's."""
-    block_d = _padded_head_dim(head_dim)
+    block_d = padded_head_dim(head_dim)
     if dtype == torch.float32 and device.type == "cuda":
         return TileConfig(16, 16, 4, 2)  # exact fp32 dots hold their operands in registers
     if max_seqlen_q == 1:
@@ -429,7 +429,7 @@ def default_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dt
     return TileConfig(128, 32, 8, 2)
 
 
-def _padded_head_dim(head_dim: int) -> int:
+def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
 
 
@@ -474,11 +474,12 @@ def keys_read(block_tables, block_size: int, sliding_window: int | None, max_seq
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
                     sliding_window: int | None = None, num_splits: int | None = None,
-                    config: TileConfig | None = None, cuda_decode: bool | None = None):
+                    config: TileConfig | None = None, cuda_decode: bool = False):
     """See nanovllm.kernels.paged_attention. Beyond it: `num_splits` forces the KV split count
-    (1: none) and `config` the Triton tiles; `cuda_decode` whether unsplit decode steps may run
-    the CUDA C++ kernel (None: as NANOVLLM_PAGED_DECODE says, and the Triton kernel where
-    `num_splits` or `config` is forced); all for tests and benchmarks. Output rows that no
+    (1: none) and `config` the Triton tiles; `cuda_decode` whether unsplit decode steps that
+    kernels/cuda/paged_decode serves run that CUDA C++ kernel (dispatch.py passes what
+    NANOVLLM_PAGED_DECODE says; never where `num_splits` or `config` is forced); all but
+    `cuda_decode` for tests and benchmarks. Output rows that no
     sequence owns (past cu_seqlens_q[-1]) are left unwritten."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -499,8 +500,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, True, block_size)
         # partitions are multiples of the key tile the kernel runs
         splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
-    if cuda_decode is None:
-        cuda_decode = forced_config is None and num_splits is None and dispatch.PAGED_DECODE == "cuda"
+    cuda_decode = cuda_decode and forced_config is None and num_splits is None
     ext = cuda_decode and cuda_decode_module(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
                                              splits, sliding_window)
     if ext:
@@ -513,7 +513,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         num_kv_heads, group, head_dim = 1, num_heads, kv_pack * head_dim
         config = forced_config or default_config(head_dim, group, 1, k_cache.dtype, q.device, block_size=block_size)
         q_tiles = cdiv(group, config.block_m)
-    block_d = _padded_head_dim(head_dim)
+    block_d = padded_head_dim(head_dim)
     preload = max_seqlen_q == 1 and splits == 1 and not sliding_window and block_d <= _PRELOAD_MAX_HEAD_DIM
     if preload and forced_config is None:
         config = config._replace(num_stages=_PRELOAD_STAGES)
@@ -528,7 +528,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     partial = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
     _with_fallback(launch, config, partial, lse, True, shape_class)
-    _merge_splits(partial, lse, out, block_d)
+    merge_splits(partial, lse, out, block_d)
     return out
 
 
@@ -536,7 +536,7 @@ def cuda_decode_module(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
                        sliding_window):
     """The built CUDA C++ decode kernel's module where it serves this call (a decode step of an
     unsplit grid, no window, operands kernels/cuda/paged_decode.supports takes), else None."""
-    if max_seqlen_q != 1 or splits != 1 or sliding_window or dispatch.INTERPRETER:
+    if max_seqlen_q != 1 or splits != 1 or sliding_window or INTERPRETER:
         return None
     from nanovllm.kernels.cuda import paged_decode
     if not paged_decode.supports(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables):
@@ -554,14 +554,14 @@ def _kv_heads_packed(k_cache, v_cache, num_heads: int, max_seqlen_q: int, num_se
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if not (max_seqlen_q == 1 and splits == 1 and 1 < num_kv_heads and num_kv_heads * head_dim <= _PACKED_ROW
             and block_size >= _PACKED_MIN_BLOCK
-            and head_dim == _padded_head_dim(head_dim) and num_heads <= _PACKED_QUERY_HEADS
+            and head_dim == padded_head_dim(head_dim) and num_heads <= _PACKED_QUERY_HEADS
             and num_seqs >= _multiprocessor_count(k_cache.device)):
         return 1
     dense = all(c.stride(3) == 1 and c.stride(2) == head_dim for c in (k_cache, v_cache))
     return num_kv_heads if dense else 1
 
 
-def _merge_splits(partial, lse, out, block_d: int) -> None:
+def merge_splits(partial, lse, out, block_d: int) -> None:
     num_tokens, num_heads, splits, head_dim = partial.shape
     # A power of two (one compiled variant per doubling of the split count), all splits at
     # once unless they pass one warp's tile.
@@ -614,12 +614,12 @@ def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config, block_d)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_desc, v_desc, out, lse, cu_seqlens_q, seq_lens, block_tables,
-        scale * _LOG2E, min_partition, grid[2], window,
+        scale * LOG2E, min_partition, grid[2], window,
         *q.stride(), *(out.stride() if not split else (0, 0, 0)),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_PACK=kv_pack,
         PRELOAD=preload,
-        PREFETCH_NEXT=preload and config.block_n > k_cache.shape[1] and not dispatch.INTERPRETER,
+        PREFETCH_NEXT=preload and config.block_n > k_cache.shape[1] and not INTERPRETER,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=k_cache.shape[1],
         CAUSAL=bool(causal), SPLIT=split, USE_TMA=k_desc is not None, PAIRS_PER_GROUP=PAIRS_PER_GROUP,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", WINDOW=window > 0,

@@ -15,11 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import next_power_of_2
-from nanovllm.kernels.attention import (_LOG2E, _kv_rows, _merge_splits, _padded_head_dim,
-                                        _split_rows, keys_read, paged_attention, split_plan)
+from nanovllm.kernels.attention import (LOG2E, keys_read, kv_rows, merge_splits, padded_head_dim, paged_attention,
+                                        split_plan, split_rows)
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
-from nanovllm.kernels.qk_norm_rope import _norm_rope, qk_norm_rope_store
+from nanovllm.kernels.qk_norm_rope import norm_rope, qk_norm_rope_store
+from nanovllm.kernels.tiling import next_power_of_2
 
 # Planned splits from which decode steps take the fused kernel. Its key tiles are gathered 64
 # keys at a time in head halves, and over long splits they stream slower than paged
@@ -64,7 +64,7 @@ def _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key, cached_
         mask = visible[:, None] & (cols < half)[None, :]
     else:
         mask = (cols < half)[None, :]
-    k_rows, v_rows = _kv_rows(block_table_row, start, offs_n, visible, stride_btc, stride_kb, stride_kt, stride_vb,
+    k_rows, v_rows = kv_rows(block_table_row, start, offs_n, visible, stride_btc, stride_kb, stride_kt, stride_vb,
                               stride_vt, BLOCK_N, BLOCK_SIZE)
     k_first = k_head_ptr + k_rows[:, None] + cols[None, :]
     v_first = v_head_ptr + v_rows[:, None] + cols[None, :]
@@ -147,7 +147,7 @@ def _decode_attention_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < GROUP
     head = kv_head * GROUP + rows
-    split_row = _split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
+    split_row = split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
     if lo >= hi:
         # Past the sequence's keys (a short sequence's later splits, a padding sequence with
         # seq_len 0): lse = -inf tells the merge to skip the split.
@@ -167,11 +167,11 @@ def _decode_attention_kernel(
     q1, q2 = _head_halves(q_ptr + token * stride_qt, head * stride_qh, row_mask, cols, half)
     k_new1, k_new2 = _head_halves(k_ptr + token * stride_kt, same_head * stride_kh, new_rows, cols, half)
     v_new1, v_new2 = _head_halves(v_ptr + token * stride_vt, same_head * stride_vh, new_rows, cols, half)
-    q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
+    q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
     # rounded as the unfused path stores the rotated q, then reads it in the cache's dtype
     q1 = q1.to(dtype).to(cache_dtype)
     q2 = q2.to(dtype).to(cache_dtype)
-    k_new1, k_new2 = _norm_rope(k_new1, k_new2, k_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
+    k_new1, k_new2 = norm_rope(k_new1, k_new2, k_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
     k_new1 = k_new1.to(dtype).to(cache_dtype)
     k_new2 = k_new2.to(dtype).to(cache_dtype)
     v_new1 = v_new1.to(cache_dtype)
@@ -270,13 +270,13 @@ def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, s
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     cos_sin = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
     has_norm = q_weight is not None
-    block_half = _padded_head_dim(head_dim // 2)
+    block_half = padded_head_dim(head_dim // 2)
     partial = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
     _decode_attention_kernel[(num_tokens * num_kv_heads, 1, splits)](
         q, k, v, positions.contiguous(), cos_sin, q_weight.contiguous() if has_norm else cos_sin,
         k_weight.contiguous() if has_norm else cos_sin, slot_mapping.contiguous(), k_cache, v_cache, partial, lse,
-        seq_lens, block_tables, float(eps), scale * _LOG2E, min_partition, splits, window,
+        seq_lens, block_tables, float(eps), scale * LOG2E, min_partition, splits, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *block_tables.stride(),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_HALF=block_half,
@@ -284,5 +284,5 @@ def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, s
         WINDOW=window > 0, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **dependent_launch(q.get_device()))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _merge_splits(partial, lse, out, _padded_head_dim(head_dim))
+    merge_splits(partial, lse, out, padded_head_dim(head_dim))
     return out

@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from nanovllm.kernels import reference
+from nanovllm.kernels.interpreter import INTERPRETER
 
 _BACKEND_CHOICES = ("auto", "triton", "torch")
 _SAMPLER_CHOICES = ("triton", "cuda", "torch")
@@ -83,7 +84,6 @@ def _requested_paged_decode() -> str:
 REQUESTED_BACKEND = _requested_backend()
 SAMPLER = _requested_sampler()
 PAGED_DECODE = _requested_paged_decode()
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 TRITON_UNAVAILABLE_REASON = None if REQUESTED_BACKEND == "torch" else _triton_unavailable_reason()
 KERNELS_AVAILABLE = REQUESTED_BACKEND != "torch" and TRITON_UNAVAILABLE_REASON is None
 _warned_fallback = False
@@ -129,4 +129,6 @@ def _implementation(op: str, device_type: str):
         if sample is not None:
             return sample
     module = importlib.import_module(f"nanovllm.kernels.{_TRITON_MODULES[op]}")
+    if op == "paged_attention":  # the launcher hands the calls that the CUDA C++ decode kernel serves to it
+        return functools.partial(module.paged_attention, cuda_decode=PAGED_DECODE == "cuda")
     return getattr(module, op)

@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import dispatch
-from nanovllm.kernels._tiling import cdiv, next_power_of_2
 from nanovllm.kernels.activation import activate
+from nanovllm.kernels.interpreter import INTERPRETER
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch, occupancy_cap
+from nanovllm.kernels.tiling import cdiv, next_power_of_2
 
 MAX_ROWS = 16  # rows of x a call serves: one tl.dot tile
 # Two resident programs an SM: 3 pipeline stages of 16 KB weight tiles take 80 KB of shared
@@ -101,7 +101,7 @@ def _input_tile(x_ptr, tokens, cols, M, K, x_row_stride, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
+def prefetch_l2(ptrs):
     """Fetches the 128-byte lines holding ptrs into L2; nothing waits for them."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
@@ -137,7 +137,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, arrivals_ptr, ne
         share = tl.cdiv(next_lines, tl.num_programs(0) * SPLITS)
         offsets = tl.arange(0, PREFETCH)
         lines = tl.minimum((tile * SPLITS + split) * share + tl.where(offsets < share, offsets, 0), next_lines - 1)
-        _prefetch_l2(next_ptr + lines.to(tl.int64) * LINE)
+        prefetch_l2(next_ptr + lines.to(tl.int64) * LINE)
     await_previous_kernel(PDL)
     # The interpreter has no bf16 arithmetic (its dot of bf16 operands is garbage): it upcasts.
     w = w.to(tl.float32) if UPCAST else w
@@ -314,7 +314,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     split = config.splits > 1
     partials = torch.empty((config.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     arrivals = _arrival_counters(x.device) if split else out
-    upcast = dispatch.INTERPRETER and x.dtype == torch.bfloat16
+    upcast = INTERPRETER and x.dtype == torch.bfloat16
     tiles = cdiv(n, config.block_n)
     lines, run = _prefetch_run(prefetch, tiles * config.splits)
     _gemv_kernel[(tiles, config.splits)](
@@ -473,7 +473,7 @@ def _prefetch_run(prefetch: torch.Tensor | None, programs: int) -> tuple[int, in
     for no prefetch: none asked, turned off, the interpreter (no inline PTX), a tensor larger
     than _MAX_PREFETCH_BYTES, or a share too large to issue before the kernel's own work."""
     nbytes = 0 if prefetch is None else prefetch.numel() * prefetch.element_size()
-    if not (prefetch_enabled and 0 < nbytes <= _MAX_PREFETCH_BYTES) or dispatch.INTERPRETER:
+    if not (prefetch_enabled and 0 < nbytes <= _MAX_PREFETCH_BYTES) or INTERPRETER:
         return 0, 0
     lines = cdiv(nbytes, _LINE)
     share = cdiv(lines, programs)

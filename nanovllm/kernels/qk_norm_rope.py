@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
+from nanovllm.kernels.tiling import cdiv, next_power_of_2, num_warps, rows_per_program
 
 # k elements a program takes on large batches: 2 tokens of Qwen3-0.6B (8 kv heads of 128)
 _TOKEN_TILE_ELEMENTS = 2048
@@ -34,7 +34,7 @@ def _head_rows(ptr, token_offsets, token_mask, head_stride, heads, half, BLOCK_H
 
 
 @triton.jit
-def _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
+def norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
     """Halves of head rows along the last axis, of any rank; `cols` indexes that axis."""
     if HAS_NORM:
         # weights before the sums: a load placed after a reduction waits for it (see norm.py)
@@ -104,7 +104,7 @@ def _rotated(x1_ptrs, x2_ptrs, mask, tokens, in_range, positions_ptr, cos_sin_pt
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
     dtype = x1_ptrs.dtype.element_ty
-    r1, r2 = _norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
+    r1, r2 = norm_rope(x1, x2, weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
     # through x's dtype first: the unfused path stores the rotated tensor, then copies k to the cache
     return r1.to(dtype), r2.to(dtype)
 

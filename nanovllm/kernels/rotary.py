@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._tiling import cdiv, next_power_of_2, num_warps, rows_per_program
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
+from nanovllm.kernels.tiling import cdiv, next_power_of_2, num_warps, rows_per_program
 
 
 @triton.jit

@@ -33,9 +33,9 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from nanovllm.kernels import reference
-from nanovllm.kernels.dispatch import INTERPRETER
-from nanovllm.kernels._tiling import cdiv, next_power_of_2
+from nanovllm.kernels.interpreter import INTERPRETER
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
+from nanovllm.kernels.tiling import cdiv, next_power_of_2
 
 INTERPRETER = tl.constexpr(INTERPRETER)
 SORT_FREE_TOP_K = 256  # the largest top-k (and top-p candidate count) filtered without a sort

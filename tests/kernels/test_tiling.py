@@ -1,22 +1,22 @@
-"""The shared launch rule (nanovllm/kernels/_tiling.py): a pure function of the shape."""
+"""The shared launch rule (nanovllm/kernels/tiling.py): a pure function of the shape."""
 import torch
 
-from nanovllm.kernels import _tiling
+from nanovllm.kernels import tiling
 
 
 def test_rows_fill_the_tile_unless_the_grid_would_leave_sms_idle():
-    assert _tiling.rows_per_program(4096, 1024) == 4
-    assert _tiling.rows_per_program(4096, 1024, tile_elements=2048) == 2
-    assert _tiling.rows_per_program(256, 1024) == 1  # 256 programs: one row each
-    assert _tiling.rows_per_program(100_000, 128) == 32  # short rows: 4096 elements a program
-    assert _tiling.rows_per_program(3, 128) == 1
+    assert tiling.rows_per_program(4096, 1024) == 4
+    assert tiling.rows_per_program(4096, 1024, tile_elements=2048) == 2
+    assert tiling.rows_per_program(256, 1024) == 1  # 256 programs: one row each
+    assert tiling.rows_per_program(100_000, 128) == 32  # short rows: 4096 elements a program
+    assert tiling.rows_per_program(3, 128) == 1
 
 
 def test_warps_carry_the_asked_values_a_thread_on_full_grids_and_one_vector_on_small_ones():
-    assert _tiling.num_warps(4096, 1024) == 8  # 16 values a thread
-    assert _tiling.num_warps(4096, 1024, per_thread=64) == 2
-    assert _tiling.num_warps(4096, 256, per_thread=64) == 16  # decode-sized grid: 8 a thread
-    assert _tiling.num_warps(64, 1024) == 1 and _tiling.num_warps(1 << 20, 1024) == 16
+    assert tiling.num_warps(4096, 1024) == 8  # 16 values a thread
+    assert tiling.num_warps(4096, 1024, per_thread=64) == 2
+    assert tiling.num_warps(4096, 256, per_thread=64) == 16  # decode-sized grid: 8 a thread
+    assert tiling.num_warps(64, 1024) == 1 and tiling.num_warps(1 << 20, 1024) == 16
 
 
 def _record_launches(monkeypatch, module, kernel_name: str, tile_constexpr: str) -> list:
@@ -41,7 +41,7 @@ def test_a_residual_norm_takes_two_1024_wide_rows_on_one_warp_and_a_4096_wide_ro
 
 
 def test_warps_stop_at_the_cap():
-    assert _tiling.num_warps(8192, 3072) == 16 and _tiling.num_warps(8192, 3072, 16, 8) == 8
+    assert tiling.num_warps(8192, 3072) == 16 and tiling.num_warps(8192, 3072, 16, 8) == 8
 
 
 def test_the_q_k_prologue_splits_q_into_k_sized_parts_of_two_qwen3_tokens_on_4_warps(monkeypatch):

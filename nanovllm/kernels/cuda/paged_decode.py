@@ -16,7 +16,7 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
 HEAD_DIM = 64
 MAX_GROUP = 16  # query heads of a kv head: the MMA's 16 rows
 CHUNK = 16  # keys a warp takes at a time; cache blocks must hold whole chunks
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 
 
 def module():
@@ -50,5 +50,5 @@ def paged_decode(ext, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     """Attention of each sequence's one query row (or none) over its cached keys; `ext` is
     module()'s. Rows no sequence owns are left unwritten."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ext.paged_decode(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale * _LOG2E, pdl)
+    ext.paged_decode(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale * LOG2E, pdl)
     return out

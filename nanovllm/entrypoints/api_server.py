@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.entrypoints.cli import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_REQUEST_BYTES
+from nanovllm.entrypoints import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_REQUEST_BYTES
 from nanovllm.entrypoints.detokenizer import TextStream
 from nanovllm.entrypoints.engine_loop import AsyncEngine, DataParallelEngine, EngineDeadError, RequestState
 from nanovllm.entrypoints.metrics import ServerMetrics

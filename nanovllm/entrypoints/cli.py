@@ -5,10 +5,7 @@ import dataclasses
 import os
 
 from nanovllm.config import Config
-
-# A 128k-token prompt is about 0.5 MB of text, 1 MB as token ids, 1.5 MB as \u-escaped CJK.
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
-DEFAULT_MAX_ENGINE_RESTARTS = 3
+from nanovllm.entrypoints import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

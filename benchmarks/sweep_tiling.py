@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.bench_kernels import raise_recompile_limit
 from benchmarks.kernel_cases import OPS
-from nanovllm.kernels import tiling, backend_for
+from nanovllm.kernels import backend_for, tiling
 from nanovllm.utils.timing import benchmark_kernel, clone_arguments, device_copy_gbs
 
 # (op, launcher module, [(width, strided)]): the kernel benchmark's timed shapes (Qwen3-0.6B and
@@ -56,7 +56,7 @@ BF16_TOL = dict(rtol=2e-2, atol=2e-2)  # a few bf16 ulps: warps change the reduc
 
 
 @contextlib.contextmanager
-def tiling(module, rows: float | None = None, warps: int | None = None, cols: int | None = None):
+def launch_rule(module, rows: float | None = None, warps: int | None = None, cols: int | None = None):
     """Overrides the module's launch rule for the duration; yields a dict that receives what
     the launcher used: R (rows a program), W (warps), C (row elements), tile (elements)."""
     saved = {n: getattr(module, n) for n in ("rows_per_program", "num_warps", "_MAX_BLOCK_C") if hasattr(module, n)}
@@ -117,7 +117,7 @@ def sweep_case(op, module, case, rows, opts):
     for label, kwargs in variants(module, rows, opts.tile_rows, opts.warps):
         rec = dict(variant=label)
         try:
-            with tiling(module, **kwargs) as used:
+            with launch_rule(module, **kwargs) as used:
                 got = outputs_of(op, pristine)
                 rec["config"] = config = dict(used)
                 key = tuple(sorted(config.items()))

@@ -41,7 +41,7 @@ from triton.compiler import make_backend
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-from nanovllm.kernels import dispatch
+from nanovllm.kernels.interpreter import INTERPRETER
 
 # The steps of JITFunction.run that FastLauncher relies on, as its source spells them: where the
 # binder lives and what it returns (the cache key's parts), and the launch it repeats.
@@ -86,7 +86,7 @@ def dependent_launch(device_index: int) -> dict:
     whatever the tensors' device). Cached: this runs on every launch."""
     options = _dependent_launch.get(device_index)
     if options is None:
-        on = (dependent_launch_enabled and device_index >= 0 and not dispatch.INTERPRETER
+        on = (dependent_launch_enabled and device_index >= 0 and not INTERPRETER
               and torch.cuda.get_device_capability(device_index)[0] >= 9)
         options = _dependent_launch[device_index] = {"PDL": on, "launch_pdl": on}
     return options

@@ -226,7 +226,7 @@ def test_prefetch_leaves_the_result_unchanged():
 
 def test_prefetch_shares_lines_among_programs_up_to_a_bound(monkeypatch):
     gemv = _gemv()
-    monkeypatch.setattr(gemv.dispatch, "INTERPRETER", False)
+    monkeypatch.setattr(gemv, "INTERPRETER", False)
     assert gemv._prefetch_run(torch.empty(1000, dtype=torch.bfloat16), 4) == (16, 4)  # 2000 bytes: 16 lines
     assert gemv._prefetch_run(torch.empty(3 * 128, dtype=torch.uint8), 2) == (3, 2)
     assert gemv._prefetch_run(None, 4) == (0, 0)
@@ -239,7 +239,7 @@ def test_prefetch_shares_lines_among_programs_up_to_a_bound(monkeypatch):
     monkeypatch.setattr(gemv, "prefetch_enabled", False)
     assert gemv._prefetch_run(torch.empty(1000, dtype=torch.bfloat16), 4) == (0, 0)
     monkeypatch.setattr(gemv, "prefetch_enabled", True)
-    monkeypatch.setattr(gemv.dispatch, "INTERPRETER", True)  # no inline PTX there
+    monkeypatch.setattr(gemv, "INTERPRETER", True)  # no inline PTX there
     assert gemv._prefetch_run(torch.empty(1000, dtype=torch.bfloat16), 4) == (0, 0)
 
 

@@ -15,7 +15,7 @@ from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from nanovllm import kernels
-from nanovllm.kernels import dispatch, launch
+from nanovllm.kernels import launch
 from nanovllm.utils.timing import capture
 
 @triton.jit(do_not_specialize=["n"])
@@ -253,10 +253,10 @@ def test_dependent_launch_is_off_on_the_cpu_in_the_interpreter_and_when_switched
     off = {"PDL": False, "launch_pdl": False}
     monkeypatch.setattr(launch, "_dependent_launch", {})
     assert launch.dependent_launch(-1) == off
-    monkeypatch.setattr(dispatch, "INTERPRETER", True)  # CUDA tensors interpreted: no inline PTX
+    monkeypatch.setattr(launch, "INTERPRETER", True)  # CUDA tensors interpreted: no inline PTX
     assert launch.dependent_launch(0) == off  # no GPU is asked
     monkeypatch.setattr(launch, "_dependent_launch", {})
-    monkeypatch.setattr(dispatch, "INTERPRETER", False)
+    monkeypatch.setattr(launch, "INTERPRETER", False)
     monkeypatch.setattr(launch, "dependent_launch_enabled", False)
     assert launch.dependent_launch(0) == off
 

@@ -32,16 +32,28 @@ class GraphShape(NamedTuple):
 
 
 class CUDAGraphs:
-    """The graphs of one runner's model, captured on construction. `buffers` are the runner's
-    last_tokens, sampled_host and publish_parity (kernels.publish_tokens), `workers` its
-    tensor-parallel ranks or None."""
+    """One runner's graphs: none until capture(), none again after clear()."""
 
-    def __init__(self, model, sampler, config, max_blocks_per_seq: int, buffers, workers, tp_size: int):
-        self.model, self.sampler, self.workers, self.tp_size = model, sampler, workers, tp_size
-        self.last_tokens, self.sampled_host, self.publish_parity = buffers
+    def __init__(self):
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[GraphShape, torch.Tensor] = {}  # the LM head's output of small decode graphs
         self.sample_graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}  # the twins that also draw
+
+    def __bool__(self) -> bool:
+        return bool(self.graphs)
+
+    def clear(self) -> None:
+        """Drops the graphs (their memory pool goes with the last), before the NCCL
+        communicators they were captured with are destroyed."""
+        for held in (self.graphs, self.graph_logits, self.sample_graphs):
+            held.clear()
+
+    def capture(self, model, sampler, config, max_blocks_per_seq: int, buffers, workers, tp_size: int) -> None:
+        """Captures a graph of every shape the configuration reaches. `buffers` are the runner's
+        last_tokens, sampled_host and publish_parity (kernels.publish_tokens), `workers` its
+        tensor-parallel ranks or None."""
+        self.model, self.sampler, self.workers, self.tp_size = model, sampler, workers, tp_size
+        self.last_tokens, self.sampled_host, self.publish_parity = buffers
         max_bs = min(config.max_num_seqs, 512)
         decode = [GraphShape(b, b, 1) for b in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}) if b <= max_bs]
         max_prefill = min(config.max_num_batched_tokens, config.max_model_len, 8192)

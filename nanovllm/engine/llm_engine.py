@@ -13,7 +13,8 @@ import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.sampled_tokens import SampledTokens
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams

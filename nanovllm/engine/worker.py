@@ -158,6 +158,23 @@ class Workers:
         return f" with code {self.processes[index].exitcode}"
 
 
+def wait_for(workers: Workers | None, event: torch.cuda.Event) -> None:
+    """event.synchronize(), watching the other ranks meanwhile: the collectives of a step
+    whose rank is gone never end."""
+    if workers:
+        workers.wait_event(event)
+    event.synchronize()
+
+
+def synchronize(workers: Workers | None) -> None:
+    """Waits for the device; rank 0 of several raises meanwhile if another rank fails."""
+    if workers:
+        event = torch.cuda.Event()
+        event.record()
+        wait_for(workers, event)
+    torch.cuda.synchronize()
+
+
 @contextlib.contextmanager
 def child_environment(env: dict):
     """os.environ with `env` added, for a child to start with. A variable read when a module is

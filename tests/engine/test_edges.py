@@ -3,6 +3,7 @@ types, the max_model_len boundary, streaming through step() (pipelined, and whil
 runs) and the checkpoint's sampling defaults."""
 import json
 import math
+import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,7 +12,8 @@ import torch
 
 from checkpoints import copy_checkpoint
 from nanovllm import SamplingParams, kernels
-from nanovllm.engine.model_runner import SampledTokens
+from nanovllm.engine.sampled_tokens import SampledTokens
+from nanovllm.engine.sampling_inputs import SamplingInputs
 from nanovllm.sampling_params import GREEDY_TEMPERATURE
 
 IDS_A = [5, 17, 3, 99, 42, 7]
@@ -58,7 +60,9 @@ def test_tiny_temperature_is_greedy(llm, ref, temperature, filters):
 def test_temperatures_below_the_threshold_reach_the_sampler_as_zero(llm):
     temperatures = [0.0, 1e-40, 0.999 * GREEDY_TEMPERATURE, GREEDY_TEMPERATURE, 0.7]
     seqs = [SimpleNamespace(params=SamplingParams(temperature=t), num_output_tokens=0) for t in temperatures]
-    sent = llm.model_runner._sampling_tensors(seqs)[0].tolist()
+    runner = llm.model_runner
+    sampling = SamplingInputs(seqs, llm.config.hf_config.vocab_size, random.Random(0))
+    sent = sampling.tensors(runner._to_device)["temperatures"].tolist()
     assert sent[:3] == [0.0, 0.0, 0.0]
     assert sent[3:] == pytest.approx(temperatures[3:], rel=1e-6)  # fp32 rounding of the values
 

@@ -55,7 +55,7 @@ def test_fp32_triton_engine_matches_transformers(checkpoint, hf_model, enforce_e
 def test_fp32_single_prompts_run_through_prefill_graphs(checkpoint, hf_model):
     """Alone, each prompt (or each 128-token chunk of it) is prefilled by a captured graph."""
     llm = LLM(str(checkpoint), **{**ENGINE, "dtype": "float32"})
-    assert any(shape[2] > 1 for shape in llm.model_runner.graphs), "no prefill graphs were captured"
+    assert any(shape.max_seqlen_q > 1 for shape in llm.model_runner.graphs.graphs), "no prefill graphs were captured"
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     alone = [llm.generate([p], params, use_tqdm=False)[0]["token_ids"] for p in PROMPTS]
     assert alone == hf_greedy(hf_model)
@@ -129,7 +129,7 @@ def test_sampling_graphs_draw_the_eager_samplers_tokens(checkpoint):
     log-probabilities never take the graph."""
     llm = LLM(str(checkpoint), **{**ENGINE, "dtype": "float32"})
     runner = llm.model_runner
-    assert set(runner.sample_graphs) == set(runner.graph_logits) != set()
+    assert set(runner.graphs.sample_graphs) == set(runner.graphs.graph_logits) != set()
     common = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = [SamplingParams(temperature=0.8, seed=1, **common), SamplingParams(temperature=0, **common),
              SamplingParams(temperature=1.3, seed=2, **common), SamplingParams(temperature=0.5, seed=3, **common)]
@@ -145,13 +145,13 @@ def test_sampling_graphs_draw_the_eager_samplers_tokens(checkpoint):
         replays.clear()
         alone = [llm.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p, sp in zip(PROMPTS, params)]
         together = [out["token_ids"] for out in llm.generate(PROMPTS, params, use_tqdm=False)]
-        return alone, together, sum(any(g is graph for graph in runner.sample_graphs.values()) for g in replays)
+        return alone, together, sum(any(g is graph for graph in runner.graphs.sample_graphs.values()) for g in replays)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(graph) or replay(graph))
         plain_runs, filtered_runs = run(plain), run(filtered)
         assert plain_runs[2] >= (len(PROMPTS) + 1) * (MAX_TOKENS - 1) and filtered_runs[2] == 0
-        runner.sample_graphs.clear()
+        runner.graphs.sample_graphs.clear()
         assert run(plain) == (*plain_runs[:2], 0) and run(filtered) == (*filtered_runs[:2], 0)
 
 

@@ -275,7 +275,7 @@ def test_outputs_waiting_for_step_survive_a_failed_step(checkpoint, new_llm, mon
 
 def _interrupt_reading_tokens_once(monkeypatch, after_reads: int):
     """KeyboardInterrupt on the `after_reads`-th wait for a step's tokens, where the host blocks."""
-    from nanovllm.engine.model_runner import SampledTokens
+    from nanovllm.engine.sampled_tokens import SampledTokens
 
     tolist, reads = SampledTokens.tolist, {"n": 0}
 

@@ -43,7 +43,7 @@ def prompts(random_ids):
 
 def engine_tokens(path, prompts, dtype):
     llm = LLM(str(path), dtype=dtype, **ENGINE)
-    assert any(shape[2] == 1 for shape in llm.model_runner.graphs), "no decode graphs were captured"
+    assert any(shape.max_seqlen_q == 1 for shape in llm.model_runner.graphs.graphs), "no decode graphs were captured"
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return llm, [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
 

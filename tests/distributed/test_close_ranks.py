@@ -55,8 +55,9 @@ def test_tp2_close_frees_rank0_and_ends_its_ranks_then_dp2_then_tp1(checkpoint):
 
 
 # ---- on two GPUs ----
-# The CUDA context, cuBLAS's workspaces and the compiled kernels stay with the process.
-MEMORY_MARGIN = 256 << 20
+# The CUDA context, cuBLAS's workspaces, the compiled kernels and rank 0's NCCL state (about
+# 0.5 GB on an H200 once its group is destroyed) stay with the process.
+MEMORY_MARGIN = 1 << 30
 GPU_ENGINE = dict(device="cuda", dtype="float32", max_model_len=512, kvcache_block_size=16,
                   max_num_batched_tokens=128, gpu_memory_utilization=0.5)
 

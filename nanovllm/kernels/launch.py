@@ -16,7 +16,8 @@ a new key. The stream is read on every call, so launches follow torch.cuda.strea
 capture as Triton's do. Not re-checked after the first call: the values of globals the
 kernel reads (these kernels take their constants as arguments).
 
-Under TRITON_INTERPRET=1 `triton.jit` returns no JITFunction and the kernel is left as it is.
+Under TRITON_INTERPRET=1 `triton.jit` returns no JITFunction and the kernel is left as it is;
+the interpreter's masked loads and stores get their masks as bool (`_interpret_masks_as_bool`).
 NANOVLLM_FAST_LAUNCH=0 (or `launch.enabled = False`) sends every launch through Triton's path,
 and so does a Triton whose own launch path no longer does what the direct one repeats
 (`changed_internals`; tests/kernels/test_launch.py fails then).
@@ -73,6 +74,23 @@ def changed_internals() -> list[str]:
     return changed
 
 
+def _interpret_masks_as_bool() -> None:
+    """Triton's interpreter keeps a scalar comparison's result in its operands' dtype, so a mask
+    joining one to a block (`(cols < K) & (m < M)`) holds int32 data, which the interpreter's
+    masked load and store reject from Triton 3.9 on. Compiled kernels get an i1 mask either way."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def as_bool(mask):
+        return TensorHandle(mask.data.astype(bool, copy=False), mask.dtype)
+
+    load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+    InterpreterBuilder.create_masked_load = lambda self, ptrs, mask, *rest: load(self, ptrs, as_bool(mask), *rest)
+    InterpreterBuilder.create_masked_store = (
+        lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest))
+
+
+if dispatch.INTERPRETER:
+    _interpret_masks_as_bool()
 enabled = os.environ.get("NANOVLLM_FAST_LAUNCH", "1") != "0"
 SUPPORTED = not changed_internals()
 dependent_launch_enabled = os.environ.get("NANOVLLM_PDL", "1") != "0"

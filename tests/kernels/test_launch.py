@@ -99,6 +99,22 @@ def test_packed_metadata_in_another_layout_is_noticed(monkeypatch):
     assert launch.changed_internals() == ["packed_metadata as (num_warps, num_ctas, shared memory bytes)"]
 
 
+@triton.jit
+def _copy_row_kernel(x_ptr, out_ptr, n, row, rows, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    mask = (cols < n) & (row < rows)  # a scalar comparison joined to a block one
+    tl.store(out_ptr + cols, tl.load(x_ptr + cols, mask=mask, other=-1.0), mask=mask)
+
+
+@pytest.mark.triton_interpret
+def test_a_mask_with_a_scalar_comparison_loads_and_stores_in_the_interpreter():
+    x, out = torch.arange(8.0), torch.zeros(8)
+    _copy_row_kernel[(1,)](x, out, 5, 0, 2, BLOCK=8)
+    assert out.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    _copy_row_kernel[(1,)](x + 1, out, 5, 2, 2, BLOCK=8)  # row out of range: nothing moves
+    assert out.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+
+
 class _StandIn:
     """A JITFunction and its compiled kernel as far as FastLauncher uses them: the normal
     launch (kernel[grid]) and the direct one (compiled.run) are recorded."""

@@ -89,7 +89,7 @@ def _interpret_masks_as_bool() -> None:
         lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest))
 
 
-if dispatch.INTERPRETER:
+if INTERPRETER:
     _interpret_masks_as_bool()
 enabled = os.environ.get("NANOVLLM_FAST_LAUNCH", "1") != "0"
 SUPPORTED = not changed_internals()

@@ -55,3 +55,12 @@ def call_with_timeout(fn, *args, timeout: float = TIMEOUT_S, **kwargs):
         time.sleep(1.0)
     assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} did not return within {timeout} s"
     return box["result"]
+
+
+def engine(**engine_args):
+    """LLM(**engine_args), whose start, if it hangs, fails the test with every rank's stack printed."""
+    from nanovllm import LLM
+    result = call_with_timeout(LLM, **engine_args)
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -8,19 +8,11 @@ import weakref
 import pytest
 import torch
 
-from parallel_testing import ENGINE, call_with_timeout, child_pids
+from parallel_testing import ENGINE, call_with_timeout, child_pids, engine
 from nanovllm import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 3, 99, 42] * 4, [200, 201, 7]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def engine(**engine_args):
-    """An engine whose start, if it hangs, fails the test with every rank's stack printed."""
-    result = call_with_timeout(LLM, **engine_args)
-    if isinstance(result, BaseException):
-        raise result
-    return result
 
 
 def tokens(llm) -> list[list[int]]:

@@ -4,7 +4,7 @@ call raise and close() leaves no process."""
 import pytest
 import torch
 
-from parallel_testing import call_with_timeout, child_pids
+from parallel_testing import call_with_timeout, child_pids, engine
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
 from nanovllm.engine.worker import WorkerError
@@ -16,14 +16,6 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # A fixed cache: sizing from free memory would count the other test processes' allocations.
 ENGINE = dict(device="cuda", dtype="float32", max_model_len=512, kvcache_block_size=16, max_num_batched_tokens=128,
               num_kvcache_blocks=256)
-
-
-def engine(**engine_args) -> LLM:
-    """An engine whose start, if it hangs, fails the test with every rank's stack printed."""
-    result = call_with_timeout(LLM, **engine_args)
-    if isinstance(result, BaseException):
-        raise result
-    return result
 
 
 def tokens(llm) -> list[list[int]]:

@@ -78,13 +78,13 @@ def assert_outputs_match(outs, expected, tokenizer):
 def test_checkpoint_tokenizer_is_smollm2s(smollm2_checkpoint, tokenizer):
     """The tokenizer saved from the GGUF file renders SmolLM2's chat template, ends turns with
     <|im_end|> (the engine's EOS) and splits numbers digit by digit as SmolLM2 does."""
-    from nanovllm.config import ModelConfig
+    from nanovllm.models import model_config_from_dir
     rendered = tokenizer.apply_chat_template(CHATS[0], tokenize=False, add_generation_prompt=True)
     assert rendered == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                         "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
                         "<|im_start|>assistant\n")
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.bos_token == "<|im_start|>"
-    assert ModelConfig.from_dir(str(smollm2_checkpoint)).eos_token_id == [tokenizer.eos_token_id]
+    assert model_config_from_dir(str(smollm2_checkpoint)).eos_token_id == [tokenizer.eos_token_id]
     assert tokenizer.tokenize("In 2024") == ["In", "Ġ", "2", "0", "2", "4"]
     assert tokenizer.decode(tokenizer.encode("Hi , Sam 's")) == "Hi , Sam 's"
 

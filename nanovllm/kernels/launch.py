@@ -81,12 +81,18 @@ def _interpret_masks_as_bool() -> None:
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
     def as_bool(mask):
-        return TensorHandle(mask.data.astype(bool, copy=False), mask.dtype)
+        if isinstance(mask, TensorHandle) and mask.data.dtype != bool:
+            return TensorHandle(mask.data.astype(bool), mask.dtype)
+        return mask  # bool already, or a tensor descriptor's own array of bools
+
+    def masked_load(self, ptrs, mask, *args, **kwargs):
+        return load(self, ptrs, as_bool(mask), *args, **kwargs)
+
+    def masked_store(self, ptrs, value, mask, *args, **kwargs):
+        return store(self, ptrs, value, as_bool(mask), *args, **kwargs)
 
     load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
-    InterpreterBuilder.create_masked_load = lambda self, ptrs, mask, *rest: load(self, ptrs, as_bool(mask), *rest)
-    InterpreterBuilder.create_masked_store = (
-        lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest))
+    InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = masked_load, masked_store
 
 
 if INTERPRETER:

@@ -262,7 +262,7 @@ def test_merge_splits_interpreted(interpreted, monkeypatch, splits, merge_per_th
     partial[empty] = float("nan")
     lse[empty] = float("-inf")
     out = torch.full((tokens, heads + 1, head_dim), float("nan"))[:, 1:]  # a strided view, as out may be
-    attention._merge_splits(partial, lse, out, attention._padded_head_dim(head_dim))
+    attention.merge_splits(partial, lse, out, attention.padded_head_dim(head_dim))
     weights = torch.where(empty, 0.0, torch.exp2(lse.double() - lse.amax(-1, keepdim=True).double()))
     ref = (weights[..., None] * partial.double().nan_to_num()).sum(2) / weights.sum(2, keepdim=True).clamp_min(1e-300)
     assert (out[0, 1] == 0).all()

@@ -241,8 +241,6 @@ class OpenAIServer:
         defaults = self.engine.info["sampling_defaults"]
         sampling = {name: getattr(request, name) if getattr(request, name) is not None else defaults.get(name)
                     for name in SAMPLING_DEFAULT_FIELDS}
-        if sampling["top_k"] is not None and sampling["top_k"] >= self.engine.info["vocab_size"]:
-            sampling["top_k"] = -1  # keeps every token, as such a top_k does
         try:
             return SamplingParams(max_tokens=min(max_tokens, room), ignore_eos=request.ignore_eos,
                                   stop_token_ids=request.stop_token_ids, logprobs=logprobs,

@@ -12,6 +12,42 @@ MAX_TOP_K = 2**63 - 1  # top_k travels to the sampler in an int64 tensor
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on the output, enforced token by token by a grammar engine; exactly one
+    field is set. json: a JSON schema (dict, or its text); json_object: any JSON object;
+    regex: a regular expression; choice: one of these strings; grammar: an EBNF (GBNF)
+    grammar. vLLM's names, so its clients' `structured_outputs` carry over. The engine compiles
+    the constraint before the request is queued: one it cannot compile raises ValueError."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.json_object, (bool, np.bool_)):
+            raise ValueError(f"structured_outputs.json_object: must be a bool, got {self.json_object!r}")
+        self.json_object = bool(self.json_object)
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json: must be a JSON schema (dict or str), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice: must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            self.choice = list(self.choice)
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: exactly one of json, json_object, regex, choice, grammar "
+                             f"must be set, got {given or 'none'}")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token.
 
@@ -28,7 +64,8 @@ class SamplingParams:
     depend on the run or on its batch. logprobs: None asks for none; N in [0, 20] asks, for
     each output token, for the log-probability of the sampled token and of the N most likely
     tokens, under log_softmax(logits / T) with T = 1 for greedy rows (the distribution before
-    top-k, top-p and min-p).
+    top-k, top-p and min-p). structured_outputs: a StructuredOutputsParams (or a dict of its
+    fields) the output must follow, or None.
 
     Every field is checked on construction: a wrong type or range raises ValueError naming
     it. Integer fields take Python or numpy integers, float fields also take integers; bools
@@ -42,6 +79,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         # Comparisons written so that NaN fails them.
@@ -70,6 +108,11 @@ class SamplingParams:
             self.logprobs = _integer("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs: must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs: must be a StructuredOutputsParams or a dict, "
+                             f"got {self.structured_outputs!r}")
 
 
 # Python's bool is an Integral and a Real, refused as both; numpy's bool is neither.

@@ -24,6 +24,9 @@ __all__ = [
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _INDEX_DTYPES = frozenset((torch.int32, torch.int64))
+# A float8 cache holds keys and values divided by their per-tensor scale (docs/attention.md#fp8-kv-cache).
+_FP8_CACHE_DTYPES = frozenset((torch.float8_e4m3fn,))
+_CACHE_DTYPES = _FLOAT_DTYPES | _FP8_CACHE_DTYPES
 _GEMV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 GEMV_MAX_ROWS = 16  # nanovllm.kernels.gemv.MAX_ROWS, without importing Triton here
 GEMV_ROW_MAX_ROWS = 2  # nanovllm.kernels.gemv.ROW_MAX_ROWS: where norm_linear, embed_norm_linear, linear_act
@@ -151,40 +154,55 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return implementation("apply_rotary_emb", q.device)(positions, q, k, cos_sin_cache)
 
 
-def _require_cache(cache: torch.Tensor, name: str) -> None:
-    _require_float(cache, name)
-    _require(cache.dim() == 4, name,
-             lambda: f"must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(cache.shape)}")
+def _require_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale) -> None:
+    """Caches of one shape, dtype and device; the scales positive, other than 1 only for float8 caches."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _require(isinstance(cache, torch.Tensor) and cache.dtype in _CACHE_DTYPES, name,
+                 "must be a floating-point or float8_e4m3fn tensor")
+        _require(cache.dim() == 4, name,
+                 lambda: f"must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(cache.shape)}")
+    for attr in ("shape", "dtype", "device"):
+        _require(getattr(v_cache, attr) == getattr(k_cache, attr), "v_cache",
+                 lambda: f"{attr} {getattr(v_cache, attr)} differs from k_cache's {getattr(k_cache, attr)}")
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name,
+                 lambda: f"must be a positive finite number, got {value!r}")
+        _require(value == 1 or k_cache.dtype in _FP8_CACHE_DTYPES, name,
+                 lambda: f"must be 1 for a {k_cache.dtype} cache (scales apply to float8 caches)")
 
 
-def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Writes key/value [T, Hk, D] into the paged caches at slot_mapping[T]
-    (slot = block * block_size + offset); slot -1 is skipped."""
-    _require_cache(k_cache, "k_cache")
-    _require_like(v_cache, k_cache, "v_cache", "k_cache")
+    (slot = block * block_size + offset); slot -1 is skipped. A float8 cache stores
+    key / k_scale and value / v_scale, saturated to its largest finite value."""
+    _require_caches(k_cache, v_cache, k_scale, v_scale)
     _require_float(key, "key")
     _require_like(value, key, "value", "key")
     _require(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:], "key",
              lambda: f"shape {tuple(key.shape)} must be [tokens, {k_cache.shape[2]}, {k_cache.shape[3]}]")
     _require_index(slot_mapping, "slot_mapping", 1)
     _require(slot_mapping.shape[0] == key.shape[0], "slot_mapping", "length differs from key's token count")
-    implementation("store_kvcache", key.device)(key, value, k_cache, v_cache, slot_mapping)
+    implementation("store_kvcache", key.device)(key, value, k_cache, v_cache, slot_mapping, float(k_scale),
+                                                float(v_scale))
 
 
 def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                       q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+                       q_weight=None, k_weight=None, eps: float = 1e-6, *, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
     """What lies between the qkv projection and attention, in one launch: with q_weight and
     k_weight, rms_norm of each q and k head (Qwen3); apply_rotary_emb of q and k; k and v
-    written to the paged caches at slot_mapping (-1 skipped). q [T, Hq, D] is rewritten in
-    place and returned; k and v [T, Hk, D] are left as they are. The caches need unit
-    stride along head_dim."""
-    _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight)
+    written to the paged caches at slot_mapping (-1 skipped), scaled as store_kvcache does.
+    q [T, Hq, D] is rewritten in place and returned; k and v [T, Hk, D] are left as they
+    are. The caches need unit stride along head_dim."""
+    _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight,
+                                k_scale, v_scale)
     return implementation("qk_norm_rope_store", q.device)(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                                                          slot_mapping, q_weight, k_weight, float(eps))
+                                                          slot_mapping, q_weight, k_weight, float(eps),
+                                                          k_scale=float(k_scale), v_scale=float(v_scale))
 
 
 def _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight,
-                                k_weight) -> None:
+                                k_weight, k_scale, v_scale) -> None:
     _require_float(q, "q")
     _require(q.dim() == 3 and q.shape[2] % 2 == 0, "q",
              lambda: f"must be [tokens, heads, even head_dim], got {tuple(q.shape)}")
@@ -195,10 +213,9 @@ def _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_ca
     _require_index(positions, "positions", 1)
     _require(positions.shape[0] == q.shape[0], "positions", "length differs from q's token count")
     _require_cos_sin_cache(cos_sin_cache, q.shape[2])
-    _require_cache(k_cache, "k_cache")
+    _require_caches(k_cache, v_cache, k_scale, v_scale)
     _require(k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1, "k_cache",
              lambda: f"must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}] with unit stride along head_dim")
-    _require_like(v_cache, k_cache, "v_cache", "k_cache")
     _require(v_cache.stride(3) == 1, "v_cache", "must have unit stride along head_dim")
     _require_index(slot_mapping, "slot_mapping", 1)
     _require(slot_mapping.shape[0] == q.shape[0], "slot_mapping", "length differs from q's token count")
@@ -209,26 +226,27 @@ def _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_ca
 
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
-                    sliding_window: int | None = None):
+                    sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
     """Attention of packed queries q [T, Hq, D] over the paged caches. Sequence i owns query rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] and keys 0..seq_lens[i]-1 (cached + new) through
     block_tables[i]; with `causal`, query row j of a sequence of Lq rows (at position
     p = seq_len - Lq + j) sees keys <= p, and with a `sliding_window` W only keys > p - W.
     Cache blocks wholly before every query's window are not read. A sequence with seq_len 0
-    gets zeros. Returns [T, Hq, D]."""
+    gets zeros. A float8 cache's keys and values are its entries times k_scale and v_scale.
+    Returns [T, Hq, D]."""
     _require_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal,
-                             sliding_window)
+                             sliding_window, k_scale, v_scale)
     return implementation("paged_attention", q.device)(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables,
-        max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal, sliding_window=sliding_window)
+        max_seqlen_q=int(max_seqlen_q), scale=float(scale), causal=causal, sliding_window=sliding_window,
+        k_scale=float(k_scale), v_scale=float(v_scale))
 
 
 def _require_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal,
-                             sliding_window) -> None:
+                             sliding_window, k_scale, v_scale) -> None:
     _require_float(q, "q")
     _require(q.dim() == 3, "q", lambda: f"must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
-    _require_cache(k_cache, "k_cache")
-    _require_like(v_cache, k_cache, "v_cache", "k_cache")
+    _require_caches(k_cache, v_cache, k_scale, v_scale)
     _require(k_cache.shape[3] == q.shape[2], "k_cache", "head_dim differs from q's")
     _require(q.shape[1] % k_cache.shape[2] == 0, "q", "query heads must be a multiple of the cache's kv heads")
     # key tiles start at multiples of their width, which must divide the block to stay inside it
@@ -251,18 +269,21 @@ def _require_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_
 
 def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, cu_seqlens_q,
                            seq_lens, block_tables, max_seqlen_q, scale, sliding_window: int | None = None,
-                           q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+                           q_weight=None, k_weight=None, eps: float = 1e-6, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """qk_norm_rope_store, then causal paged_attention over the caches it wrote: an attention
     layer's work after its qkv projection. Decode steps of a few sequences run it as one kernel
     and the split merge (docs/attention.md). Returns [T, Hq, D]; q may be rewritten in place,
     k and v are left as they are."""
-    _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight)
+    _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight,
+                                k_scale, v_scale)
     _require_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, True,
-                             sliding_window)
+                             sliding_window, k_scale, v_scale)
     return implementation("qk_norm_rope_attention", q.device)(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens, block_tables=block_tables, max_seqlen_q=int(max_seqlen_q), scale=float(scale),
-        sliding_window=sliding_window, q_weight=q_weight, k_weight=k_weight, eps=float(eps))
+        sliding_window=sliding_window, q_weight=q_weight, k_weight=k_weight, eps=float(eps),
+        k_scale=float(k_scale), v_scale=float(v_scale))
 
 
 def _require_row_vector(x, logits: torch.Tensor, name: str, kind) -> None:

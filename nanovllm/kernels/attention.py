@@ -17,6 +17,7 @@ from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fas
 from nanovllm.kernels.tiling import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
+FP16_MAX = tl.constexpr(65504.0)
 # Splitting aims at this many working programs per SM: one program's loads in flight while
 # another computes, and long splits, few partials (more splits measured slower:
 # docs/rejected.md).
@@ -133,6 +134,16 @@ def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv
 
 
 @triton.jit
+def fp8_cache_products(q, PRODUCTS_FP16: tl.constexpr):
+    """Query rows in the dtype of the products over a float8 cache: q's own, but fp16 for bf16
+    queries, saturated to its range (exact below it): e4m3 tiles upcast to fp16 in one
+    instruction a pair of values and to bf16 in four, which bounded the decode kernels."""
+    if PRODUCTS_FP16:
+        return tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _softmax_step(acc, m_i, l_i, q, k, v, pos, row_first, row_limit, qk_scale, MASKED: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     """The online-softmax update with the key tile k, v at key positions `pos`. Tiles of a
@@ -199,7 +210,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, KV_PACK: tl.constexpr, PRELOAD: tl.constexpr,
-    PREFETCH_NEXT: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr, KV_FP8: tl.constexpr, PRODUCTS_FP16: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, query tile, KV split). Its BLOCK_M rows are (query row,
     query head) pairs of the GQA group of one kv head, row-major, so each K/V tile loaded
@@ -214,7 +225,8 @@ def _paged_attention_kernel(
     no window, heads of 64 or less), the first key tile below the step's own keys is loaded
     before the wait: earlier steps wrote it; with PREFETCH_NEXT too (tiles spanning several
     cache blocks), the next tile's rows are requested into L2 at the same point. With KV_FP8
-    the products take q's dtype, qk_scale holds the key scale and v_scale scales the output."""
+    the products take q's dtype (fp16 for bf16 queries: PRODUCTS_FP16), qk_scale holds the key
+    scale and v_scale scales the output."""
     pair, tile = _pair_and_tile(PAIRS_PER_GROUP)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -316,7 +328,9 @@ def _paged_attention_kernel(
     else:
         q = _load_rows(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                        row_mask, d_mask, True, PAD_D)
-    if not KV_FP8:
+    if KV_FP8:
+        q = fp8_cache_products(q, PRODUCTS_FP16)
+    else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     # m starts finite so that a row whose first tiles are all masked gets exp2(-inf - m) = 0, not NaN.
@@ -480,9 +494,11 @@ def keys_read(block_tables, block_size: int, sliding_window: int | None, max_seq
 
 
 def dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
-    """The dtype of the kernels' products: the cache's, or q's over a float8 cache, whose tiles
-    are upcast in registers."""
-    return q.dtype if k_cache.dtype == torch.float8_e4m3fn else k_cache.dtype
+    """The dtype of the kernels' products: the cache's, or over a float8 cache, whose tiles are
+    upcast in registers, q's (fp16 for bf16 queries: fp8_cache_products)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return k_cache.dtype
+    return torch.float16 if q.dtype == torch.bfloat16 else q.dtype
 
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
@@ -639,4 +655,5 @@ def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         CAUSAL=bool(causal), SPLIT=split, USE_TMA=k_desc is not None, PAIRS_PER_GROUP=PAIRS_PER_GROUP,
         DOT_PRECISION="ieee" if dot_dtype(q, k_cache) == torch.float32 else "tf32", WINDOW=window > 0,
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        PRODUCTS_FP16=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.get_device()))

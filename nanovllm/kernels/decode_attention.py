@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.attention import (LOG2E, dot_dtype, keys_read, kv_rows, merge_splits, padded_head_dim,
-                                        paged_attention, split_plan, split_rows)
+from nanovllm.kernels.attention import (LOG2E, dot_dtype, fp8_cache_products, keys_read, kv_rows, merge_splits,
+                                        padded_head_dim, paged_attention, split_plan, split_rows)
 from nanovllm.kernels.kv_cache import inverse_scale, to_cache
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 from nanovllm.kernels.qk_norm_rope import norm_rope, qk_norm_rope_store
@@ -106,14 +106,15 @@ def _decode_attention_kernel(
     stride_btr, stride_btc,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-    WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PRODUCTS_FP16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, 1, split): the grid and partial layout of paged attention's
     split decode. Token t is sequence t's one query; its key, at position seq_len - 1, is not
     in the cache yet. Rows are the GQA group's query heads. Writes the normalised partial
     output and its log2-sum-exp for _merge_splits_kernel. With KV_FP8 the products take q's
-    dtype, qk_scale holds the key scale, and the step's key and value are scored as the cache
-    holds them."""
+    dtype (fp16 for bf16 queries: PRODUCTS_FP16), qk_scale holds the key scale, and the step's
+    key and value are scored as the cache holds them."""
     pair = tl.program_id(0)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -161,7 +162,9 @@ def _decode_attention_kernel(
 
     dtype = q_ptr.dtype.element_ty
     cache_dtype = k_cache_ptr.dtype.element_ty
-    products_dtype = dtype if KV_FP8 else cache_dtype
+    products_dtype = cache_dtype
+    if KV_FP8:
+        products_dtype = tl.float16 if PRODUCTS_FP16 else dtype
     # The split that holds the step's key (the last with keys: new_key >= lo, as lo < hi) loads
     # it with the query, one round trip for both, and writes it to the cache before its tiles:
     # no program reads that slot.
@@ -175,8 +178,12 @@ def _decode_attention_kernel(
     v_new1, v_new2 = _head_halves(v_ptr + token * stride_vt, same_head * stride_vh, new_rows, cols, half)
     q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
     # rounded as the unfused path stores the rotated q, then reads it in the products' dtype
-    q1 = q1.to(dtype).to(products_dtype)
-    q2 = q2.to(dtype).to(products_dtype)
+    if KV_FP8:
+        q1 = fp8_cache_products(q1.to(dtype), PRODUCTS_FP16)
+        q2 = fp8_cache_products(q2.to(dtype), PRODUCTS_FP16)
+    else:
+        q1 = q1.to(dtype).to(products_dtype)
+        q2 = q2.to(dtype).to(products_dtype)
     k_new1, k_new2 = norm_rope(k_new1, k_new2, k_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
     k_new1 = to_cache(k_new1.to(dtype), k_inv_scale, cache_dtype)
     k_new2 = to_cache(k_new2.to(dtype), k_inv_scale, cache_dtype)
@@ -296,6 +303,7 @@ def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, s
         BLOCK_M=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
         WINDOW=window > 0, DOT_PRECISION="ieee" if dot_dtype(q, k_cache) == torch.float32 else "tf32",
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        PRODUCTS_FP16=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **dependent_launch(q.get_device()))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     merge_splits(partial, lse, out, padded_head_dim(head_dim))

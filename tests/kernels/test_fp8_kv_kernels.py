@@ -162,6 +162,20 @@ def test_paged_attention_interpreted(heads, head_dim, block_size, num_splits, k_
 
 
 @interpret
+def test_bf16_queries_take_fp16_products_interpreted():
+    """bf16 queries over a float8 cache: the products in fp16 (exact for the upcast tiles),
+    huge query values saturated rather than infinite."""
+    require_triton("cpu")
+    case = make_case([(1, 130), (3, 40)], (8, 2), 64, 16, torch.bfloat16)
+    check_attention(case, 1 / 64, 3.0, num_splits=2)
+    case.q[0, 0, :4] = 1e6
+    quantised, _ = fp8_case(case, 1 / 64, 3.0)
+    out = kernels.paged_attention(quantised.q, quantised.k_cache, quantised.v_cache, **quantised.kwargs(),
+                                  k_scale=1 / 64, v_scale=3.0)
+    assert torch.isfinite(out).all()
+
+
+@interpret
 @pytest.mark.parametrize("num_seqs,num_splits", [(5, None), (2, None), (3, 4)])
 def test_decode_attention_interpreted(num_seqs, num_splits):
     """Decode steps: kv heads packed into one row (5 sequences of 2 heads of 64 on 4 SMs), split

@@ -139,7 +139,7 @@ def fp8_cache_products(q, PRODUCTS_FP16: tl.constexpr):
     queries, saturated to its range (exact below it): e4m3 tiles upcast to fp16 in one
     instruction a pair of values and to bf16 in four, which bounded the decode kernels."""
     if PRODUCTS_FP16:
-        return tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
     return q
 
 

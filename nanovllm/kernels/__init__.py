@@ -213,9 +213,10 @@ def _require_qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_ca
     _require_index(positions, "positions", 1)
     _require(positions.shape[0] == q.shape[0], "positions", "length differs from q's token count")
     _require_cos_sin_cache(cos_sin_cache, q.shape[2])
-    _require_caches(k_cache, v_cache, k_scale, v_scale)
-    _require(k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1, "k_cache",
+    _require(isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 and k_cache.shape[2:] == k.shape[1:]
+             and k_cache.stride(3) == 1, "k_cache",
              lambda: f"must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}] with unit stride along head_dim")
+    _require_caches(k_cache, v_cache, k_scale, v_scale)
     _require(v_cache.stride(3) == 1, "v_cache", "must have unit stride along head_dim")
     _require_index(slot_mapping, "slot_mapping", 1)
     _require(slot_mapping.shape[0] == q.shape[0], "slot_mapping", "length differs from q's token count")

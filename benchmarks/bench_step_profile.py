@@ -131,7 +131,8 @@ class Windows:
         for name, first in self.starts.items():
             if self.active is None and name not in self.results and sampled_steps == first:
                 self.active, self.first_step = name, len(self.floors.steps)
-                self.prof = torch.profiler.profile(activities=bench.profiler_activities(self.llm))
+                # GPU activity only: recording every host op would slow the host work it measures
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 self.prof.start()
                 self.waits.clear()
                 self.walls.clear()

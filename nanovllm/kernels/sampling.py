@@ -75,6 +75,17 @@ def _token_noise(seed, tokens, NOISE_BLOCK: tl.constexpr, ROUNDS: tl.constexpr, 
 
 
 @triton.jit
+def _load_logits(row_ptr, cols, vocab, row, bitmask_ptr, bitmask_stride, MASKED: tl.constexpr):
+    """The row's logits at cols in float32: -inf past the vocabulary and, with MASKED, where
+    the row's token bitmask clears the token's bit (bit col % 32 of word col // 32)."""
+    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    if MASKED:
+        words = tl.load(bitmask_ptr + row.to(tl.int64) * bitmask_stride + cols // 32, mask=cols < vocab, other=0)
+        x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
+    return x
+
+
+@triton.jit
 def _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
                  HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
     """-> (T, k or 0 when off, top_p, min_p): what the row asks, read the same way everywhere."""
@@ -95,8 +106,9 @@ def _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_pt
 @fast_launch
 @triton.jit
 def _scan_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
-                 best_ptr, index_ptr, max_ptr, sum_ptr, group_max_ptr, num_groups, tile_key_ptr,
-                 HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                 bitmask_ptr, bitmask_stride, best_ptr, index_ptr, max_ptr, sum_ptr, group_max_ptr, num_groups,
+                 tile_key_ptr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                 MASKED: tl.constexpr,
                  LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, TILE: tl.constexpr, NOISE_BLOCK: tl.constexpr,
                  GROUP: tl.constexpr, ROUNDS: tl.constexpr, U_MAX: tl.constexpr, LOG2E: tl.constexpr,
                  PDL: tl.constexpr):
@@ -112,10 +124,10 @@ def _scan_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top
     within = tl.arange(0, NOISE_BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     cols0, cols1, cols2, cols3 = base + within, base + NOISE_BLOCK + within, base + 2 * NOISE_BLOCK + within, \
         base + 3 * NOISE_BLOCK + within
-    x0 = tl.load(row_ptr + cols0, mask=cols0 < vocab, other=float("-inf")).to(tl.float32)
-    x1 = tl.load(row_ptr + cols1, mask=cols1 < vocab, other=float("-inf")).to(tl.float32)
-    x2 = tl.load(row_ptr + cols2, mask=cols2 < vocab, other=float("-inf")).to(tl.float32)
-    x3 = tl.load(row_ptr + cols3, mask=cols3 < vocab, other=float("-inf")).to(tl.float32)
+    x0 = _load_logits(row_ptr, cols0, vocab, row, bitmask_ptr, bitmask_stride, MASKED)
+    x1 = _load_logits(row_ptr, cols1, vocab, row, bitmask_ptr, bitmask_stride, MASKED)
+    x2 = _load_logits(row_ptr, cols2, vocab, row, bitmask_ptr, bitmask_stride, MASKED)
+    x3 = _load_logits(row_ptr, cols3, vocab, row, bitmask_ptr, bitmask_stride, MASKED)
     g0, g1, g2, g3 = tl.max(x0, axis=1), tl.max(x1, axis=1), tl.max(x2, axis=1), tl.max(x3, axis=1)
     chunk_max = tl.max(tl.maximum(tl.maximum(g0, g1), tl.maximum(g2, g3)), axis=0)
     slot = row * tl.num_programs(1) + chunk
@@ -184,8 +196,10 @@ def _keep_better(best, best_index, x, cols):
 
 
 @triton.jit
-def _min_p_noisy(row_ptr, cols, vocab, row_max, temperature, floor, scale, u, U_MAX: tl.constexpr):
-    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+def _min_p_noisy(row_ptr, cols, vocab, masking, row_max, temperature, floor, scale, u, U_MAX: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """masking: (row, bitmask_ptr, bitmask_stride), as _load_logits takes them."""
+    x = _load_logits(row_ptr, cols, vocab, *masking, MASKED)
     # the row's max is kept where p / p_max is NaN (a +inf max) and where every logit is -inf
     kept = (x == row_max) | (((x - row_max) / temperature >= floor) & (x > float("-inf")))
     return tl.where(kept, x * scale + _gumbel2(u, U_MAX), float("-inf"))
@@ -194,8 +208,8 @@ def _min_p_noisy(row_ptr, cols, vocab, row_max, temperature, floor, scale, u, U_
 @fast_launch
 @triton.jit
 def _min_p_draw_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
-                       best_ptr, index_ptr, max_ptr, num_chunks,
-                       HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, CHUNKS: tl.constexpr,
+                       bitmask_ptr, bitmask_stride, best_ptr, index_ptr, max_ptr, num_chunks,
+                       HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, MASKED: tl.constexpr, CHUNKS: tl.constexpr,
                        NOISE_BLOCK: tl.constexpr, ROUNDS: tl.constexpr, U_MAX: tl.constexpr,
                        LOG2E: tl.constexpr, PDL: tl.constexpr):
     """The scan's draw again for rows whose only filter is min-p, now that their max is known."""
@@ -212,16 +226,18 @@ def _min_p_draw_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_pt
         scale = LOG2E / temperature
         row_ptr = logits_ptr + row.to(tl.int64) * row_stride
         cols = chunk * 4 * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)
+        masking = (row, bitmask_ptr, bitmask_stride)
         u0, u1, u2, u3 = tl.rand4x(seed, cols, ROUNDS)
-        x = _min_p_noisy(row_ptr, cols, vocab, row_max, temperature, floor, scale, u0, U_MAX)
-        best, best_index = _keep_better(x, cols, _min_p_noisy(row_ptr, cols + NOISE_BLOCK, vocab, row_max, temperature,
-                                                              floor, scale, u1, U_MAX), cols + NOISE_BLOCK)
-        best, best_index = _keep_better(best, best_index, _min_p_noisy(row_ptr, cols + 2 * NOISE_BLOCK, vocab, row_max,
-                                                                       temperature, floor, scale, u2, U_MAX),
-                                        cols + 2 * NOISE_BLOCK)
-        best, best_index = _keep_better(best, best_index, _min_p_noisy(row_ptr, cols + 3 * NOISE_BLOCK, vocab, row_max,
-                                                                       temperature, floor, scale, u3, U_MAX),
-                                        cols + 3 * NOISE_BLOCK)
+        x = _min_p_noisy(row_ptr, cols, vocab, masking, row_max, temperature, floor, scale, u0, U_MAX, MASKED)
+        x1 = _min_p_noisy(row_ptr, cols + NOISE_BLOCK, vocab, masking, row_max, temperature, floor, scale, u1,
+                          U_MAX, MASKED)
+        best, best_index = _keep_better(x, cols, x1, cols + NOISE_BLOCK)
+        x2 = _min_p_noisy(row_ptr, cols + 2 * NOISE_BLOCK, vocab, masking, row_max, temperature, floor, scale, u2,
+                          U_MAX, MASKED)
+        best, best_index = _keep_better(best, best_index, x2, cols + 2 * NOISE_BLOCK)
+        x3 = _min_p_noisy(row_ptr, cols + 3 * NOISE_BLOCK, vocab, masking, row_max, temperature, floor, scale, u3,
+                          U_MAX, MASKED)
+        best, best_index = _keep_better(best, best_index, x3, cols + 3 * NOISE_BLOCK)
         top = tl.max(best, axis=0)
         slot = row * num_chunks + chunk
         tl.store(best_ptr + slot, top)
@@ -326,8 +342,8 @@ def _top_groups(group_max_ptr, tile_key_ptr, row, num_groups, gid_row, k, GROUPS
 
 
 @triton.jit
-def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ranked_row, K_PAD: tl.constexpr,
-                   GROUP: tl.constexpr, DIGIT: tl.constexpr):
+def _ranked_tokens(row_ptr, vocab, masking, group_row, num_groups, gid_row, chosen, k, ranked_row,
+                   K_PAD: tl.constexpr, GROUP: tl.constexpr, DIGIT: tl.constexpr, MASKED: tl.constexpr):
     """-> (x, ids) [K_PAD]: the top k tokens of the chosen groups by (logit desc, id asc) first,
     then other tokens of the groups or -inf. The chosen groups' maxima are k tokens at or above
     the least of them, so the top k tokens are among the tokens at or above it: when those are
@@ -342,7 +358,7 @@ def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ra
     floor = tl.min(tl.where(live_slots, _orderable(tl.load(group_row + gids, mask=live_slots & (gids < num_groups),
                                                                    other=float("-inf"))), 0xFFFFFFFF), axis=0)
     ids = gids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = tl.load(row_ptr + ids, mask=live_slots[:, None] & (ids < vocab), other=float("-inf")).to(tl.float32)
+    x = _load_logits(row_ptr, tl.where(live_slots[:, None], ids, vocab), vocab, *masking, MASKED)
     live = tl.reshape(tl.broadcast_to(live_slots[:, None], [K_PAD, GROUP]), [K_PAD * GROUP])
     keys = tl.where(live, tl.reshape(_orderable(x), [K_PAD * GROUP]), 0)
     # rank by (logit desc, id asc): one uint64 key, the id's complement below the logit's
@@ -365,9 +381,9 @@ def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ra
 @fast_launch
 @triton.jit
 def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
-                     best_ptr, index_ptr, max_ptr, sum_ptr, num_chunks, group_max_ptr, num_groups, tile_key_ptr,
-                     gid_ptr, ranked_ptr, tokens_ptr, logprobs_ptr,
-                     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                     bitmask_ptr, bitmask_stride, best_ptr, index_ptr, max_ptr, sum_ptr, num_chunks, group_max_ptr,
+                     num_groups, tile_key_ptr, gid_ptr, ranked_ptr, tokens_ptr, logprobs_ptr,
+                     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, MASKED: tl.constexpr,
                      LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, CHUNKS: tl.constexpr,
                      GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr, DIGIT: tl.constexpr,
                      GROUP: tl.constexpr, NOISE_BLOCK: tl.constexpr,
@@ -390,8 +406,9 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
                                  DIGIT)
             tl.debug_barrier()  # the group ids written above, read back by other threads
             slots = tl.arange(0, K_PAD)
-            x, ids = _ranked_tokens(row_ptr, vocab, group_max_ptr + row.to(tl.int64) * num_groups, num_groups,
-                                    gid_row, chosen, k, ranked_ptr + row * K_PAD, K_PAD, GROUP, DIGIT)
+            x, ids = _ranked_tokens(row_ptr, vocab, (row, bitmask_ptr, bitmask_stride),
+                                    group_max_ptr + row.to(tl.int64) * num_groups, num_groups, gid_row, chosen, k,
+                                    ranked_ptr + row * K_PAD, K_PAD, GROUP, DIGIT, MASKED)
             z = (x - tl.max(x, axis=0)) / temperature  # log(p / p_max)
             keep = (slots < k) & (x > float("-inf"))
             if HAS_MIN_P:
@@ -420,35 +437,37 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
 
 class SampleLaunches:
     """The three launches on one row-major [rows, vocab] logits tensor; the CUDA C++ sampler
-    fills the same buffers (kernels/cuda/sampling.py)."""
+    fills the same buffers (kernels/cuda/sampling.py) and takes no token bitmask: dispatch.py
+    routes calls with one here."""
 
-    def scan(self, logits, temperatures, seeds, filters, buffers, logprobs: bool, groups: bool):
+    def scan(self, logits, temperatures, seeds, filters, buffers, logprobs: bool, groups: bool, token_bitmask=None):
         rows, vocab = logits.shape
         _scan_kernel[(rows, buffers["chunks"])](
-            logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
-            buffers["max"], buffers["sum"], buffers["group_max"], buffers["groups"], buffers["tile_keys"],
-            **_has(filters), LOGPROBS=logprobs, GROUPS=groups, TILE=buffers["tile"], NOISE_BLOCK=noise_block(vocab),
+            logits, logits.stride(0), vocab, temperatures, seeds, *filters, *_bitmask_args(token_bitmask),
+            buffers["best"], buffers["index"], buffers["max"], buffers["sum"], buffers["group_max"], buffers["groups"],
+            buffers["tile_keys"], **_has(filters), MASKED=token_bitmask is not None, LOGPROBS=logprobs, GROUPS=groups, TILE=buffers["tile"], NOISE_BLOCK=noise_block(vocab),
             GROUP=GROUP, ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8,
             **dependent_launch(logits.get_device()))
 
-    def min_p_draw(self, logits, temperatures, seeds, filters, buffers):
+    def min_p_draw(self, logits, temperatures, seeds, filters, buffers, token_bitmask=None):
         rows, vocab = logits.shape
         has = _has(filters)
         _min_p_draw_kernel[(rows, buffers["chunks"])](
-            logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
-            buffers["max"], buffers["chunks"], HAS_TOP_K=has["HAS_TOP_K"], HAS_TOP_P=has["HAS_TOP_P"],
-            CHUNKS=next_power_of_2(buffers["chunks"]), NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS,
+            logits, logits.stride(0), vocab, temperatures, seeds, *filters, *_bitmask_args(token_bitmask),
+            buffers["best"], buffers["index"], buffers["max"], buffers["chunks"], HAS_TOP_K=has["HAS_TOP_K"],
+            HAS_TOP_P=has["HAS_TOP_P"], MASKED=token_bitmask is not None, CHUNKS=next_power_of_2(buffers["chunks"]), NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS,
             U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8, **dependent_launch(logits.get_device()))
 
-    def finalize(self, logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad: int):
+    def finalize(self, logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad: int,
+                 token_bitmask=None):
         """logprobs: a float32 [rows] output, or None."""
         rows, vocab = logits.shape
         groups, k_pad = k_pad > 0, max(k_pad, 1)
         _finalize_kernel[(rows,)](
-            logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
-            buffers["max"], buffers["sum"], buffers["chunks"], buffers["group_max"], buffers["groups"],
-            buffers["tile_keys"], buffers["gids"], buffers["ranked"], tokens, logprobs, **_has(filters),
-            LOGPROBS=logprobs is not None, GROUPS=groups, CHUNKS=next_power_of_2(buffers["chunks"]),
+            logits, logits.stride(0), vocab, temperatures, seeds, *filters, *_bitmask_args(token_bitmask),
+            buffers["best"], buffers["index"], buffers["max"], buffers["sum"], buffers["chunks"], buffers["group_max"],
+            buffers["groups"], buffers["tile_keys"], buffers["gids"], buffers["ranked"], tokens, logprobs,
+            **_has(filters), MASKED=token_bitmask is not None, LOGPROBS=logprobs is not None, GROUPS=groups, CHUNKS=next_power_of_2(buffers["chunks"]),
             GROUPS_PAD=next_power_of_2(buffers["groups"]), K_PAD=k_pad, TILE=buffers["tile"], DIGIT=RADIX_BITS,
             GROUP=GROUP, NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E,
             num_warps=8 if groups else 4, **dependent_launch(logits.get_device()))
@@ -458,29 +477,36 @@ def noise_block(vocab: int) -> int:
     return min(NOISE_BLOCK, max(GROUP, next_power_of_2(cdiv(vocab, 4))))
 
 
+def _bitmask_args(token_bitmask) -> tuple:
+    """(pointer, row stride) of an int32 [rows, words] bitmask with unit column stride, or (None, 0)."""
+    return (None, 0) if token_bitmask is None else (token_bitmask, token_bitmask.stride(0))
+
+
 def _has(filters) -> dict:
     top_ks, top_ps, min_ps = filters
     return dict(HAS_TOP_K=top_ks is not None, HAS_TOP_P=top_ps is not None, HAS_MIN_P=min_ps is not None)
 
 
 def sample(logits, temperatures, seeds, top_ks=None, top_ps=None, min_ps=None, max_top_k=None, logprobs=False,
-           launches: SampleLaunches = SampleLaunches()):
-    """See kernels.sample."""
+           launches: SampleLaunches = SampleLaunches(), token_bitmask=None):
+    """See kernels.sample. Every launch applies the token bitmask where it loads logits."""
     filtering = top_ks is not None or top_ps is not None
     bound = logits.shape[1] if max_top_k is None else max_top_k
     if filtering and bound > SORT_FREE_TOP_K:
-        return _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches)
+        return _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches, token_bitmask)
     rows = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = rows.shape
     k_pad = next_power_of_2(max(bound, 2)) if filtering else 0  # >= 2: the smallest the sort is tested at on GPUs
     buffers = _buffers(num_rows, vocab, k_pad, rows.device)
     filters = (top_ks, top_ps, min_ps)
-    launches.scan(rows, temperatures, seeds, filters, buffers, logprobs, groups=filtering)
+    # only given when set: the CUDA C++ launches take none
+    masked = {} if token_bitmask is None else dict(token_bitmask=token_bitmask.contiguous())
+    launches.scan(rows, temperatures, seeds, filters, buffers, logprobs, groups=filtering, **masked)
     if min_ps is not None:
-        launches.min_p_draw(rows, temperatures, seeds, filters, buffers)
+        launches.min_p_draw(rows, temperatures, seeds, filters, buffers, **masked)
     tokens = torch.empty(num_rows, dtype=torch.int64, device=rows.device)
     chosen = torch.empty(num_rows, dtype=torch.float32, device=rows.device) if logprobs else None
-    launches.finalize(rows, temperatures, seeds, filters, buffers, tokens, chosen, k_pad)
+    launches.finalize(rows, temperatures, seeds, filters, buffers, tokens, chosen, k_pad, **masked)
     return tokens, chosen
 
 
@@ -498,9 +524,11 @@ def _buffers(num_rows: int, vocab: int, k_pad: int, device) -> dict:
                 ranked=empty(num_rows, max(k_pad, 1), dtype=torch.int64))
 
 
-def _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches):
+def _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches, token_bitmask):
     """Rows may keep more tokens than the sort-free path holds: filter through a sort, then draw
     without filters (greedy rows keep every token, so they still take the argmax)."""
+    if token_bitmask is not None:
+        logits = reference.apply_token_bitmask(logits.float(), token_bitmask)
     keep = reference.sampling_mask(logits, temperatures, top_ks, top_ps, min_ps)
     tokens, _ = sample(logits.float().masked_fill(~keep, float("-inf")), temperatures, seeds, launches=launches)
     if not logprobs:

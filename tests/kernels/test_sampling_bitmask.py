@@ -5,7 +5,6 @@ import functools
 
 import pytest
 import torch
-from kernel_testing import require_triton
 from test_sampling import implementation, mixed_batch, replay
 
 from nanovllm import kernels

@@ -272,7 +272,8 @@ def _require_row_vector(x, logits: torch.Tensor, name: str, kind) -> None:
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, top_ks=None, top_ps=None,
-           min_ps=None, *, max_top_k: int | None = None, logprobs: bool = False, token_bitmask=None):
+           min_ps=None, *, max_top_k: int | None = None, logprobs: bool = False, token_bitmask=None,
+           penalties=None):
     """One token per row of logits [B, V], drawn from softmax(logits / T) restricted by the
     row's filters, without a sort. Tokens rank by logit, ties by lower id. min_ps[i]: keep
     tokens with p >= min_p * p_max (0: off); top_ks[i]: keep the first k ranks (outside
@@ -292,7 +293,10 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
 
     token_bitmask: None, or int32 [B, ceil(V / 32)] whose bit v % 32 of word v // 32 allows token
     v (xgrammar's and llguidance's layout; an unconstrained row is all ones, -1 words). A
-    disallowed token is a -inf logit for every row kind and for the log-probabilities."""
+    disallowed token is a -inf logit for every row kind and for the log-probabilities.
+    penalties: None or a kernels.penalties.Penalties, applied to the logits as they are read;
+    the drawn tokens of its rows are counted in its table. Log-probabilities are of the logits
+    after both."""
     _require_float(logits, "logits")
     _require(logits.dim() == 2, "logits", lambda: f"must be [rows, vocab], got shape {tuple(logits.shape)}")
     _require_row_vector(temperatures, logits, "temperatures", _require_float)
@@ -310,7 +314,8 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
         _require(token_bitmask.device == logits.device, "token_bitmask",
                  lambda: f"device {token_bitmask.device} differs from logits' {logits.device}")
     return implementation("sample", logits.device)(logits, temperatures, seeds, top_ks, top_ps, min_ps,
-                                                   max_top_k, bool(logprobs), token_bitmask=token_bitmask)
+                                                   max_top_k, bool(logprobs), token_bitmask=token_bitmask,
+                                                   penalties=penalties)
 
 
 def _require_weight(weight: torch.Tensor, k: int) -> None:

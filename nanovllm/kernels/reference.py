@@ -5,6 +5,8 @@ float64 when the input is float64) and the result is cast back to the input's dt
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels import penalties as penalty_ops
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -138,14 +140,15 @@ def sampling_mask(logits: torch.Tensor, temperatures: torch.Tensor, top_ks=None,
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, top_ks=None, top_ps=None,
-           min_ps=None, max_top_k=None, logprobs: bool = False, token_bitmask=None):
+           min_ps=None, max_top_k=None, logprobs: bool = False, token_bitmask=None, penalties=None):
     """argmax(logits / T + Gumbel noise) over the tokens sampling_mask keeps, the noise of row i
     drawn from a generator seeded with seeds[i]; argmax(logits) where T == 0. With `logprobs`,
-    also log_softmax(logits / T)[token] (T = 1 for greedy rows). Tokens the bitmask disallows
-    are -inf logits throughout. Same distribution as the kernels; the random streams differ.
-    max_top_k only steers the kernels."""
+    also log_softmax(logits / T)[token] (T = 1 for greedy rows). The logits are penalized first,
+    and tokens the bitmask disallows are -inf; the drawn tokens of penalized rows are counted.
+    Same distribution as the kernels; the random streams differ. max_top_k only steers the
+    kernels."""
     dtype = _compute_dtype(logits)
-    x = apply_token_bitmask(logits.to(dtype), token_bitmask)
+    x = apply_token_bitmask(penalty_ops.apply(logits.to(dtype), penalties), token_bitmask)
     tokens = x.argmax(dim=-1)
     sampled = temperatures > 0
     scale = torch.where(sampled, temperatures, 1).to(dtype)[:, None]
@@ -162,6 +165,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
         # -log(-log(u)), in place; u below 1 by half an ulp so that no noise is +inf
         gumbel = uniforms.clamp_(max=1 - torch.finfo(dtype).eps / 2).log_().neg_().log_().neg_()
         tokens[rows] = (tempered + gumbel).argmax(dim=-1)
+    penalty_ops.record(penalties, tokens)
     if not logprobs:
         return tokens, None
     chosen = (x / scale).log_softmax(dim=-1).gather(1, tokens[:, None]).view(-1)

@@ -116,7 +116,7 @@ def test_a_bad_bitmask_is_named():
 def test_the_cuda_sampler_hands_masked_calls_to_triton():
     calls = []
     cuda = lambda *args: calls.append(("cuda", len(args)))  # noqa: E731
-    triton = lambda *args, token_bitmask: calls.append(("triton", len(args), token_bitmask))  # noqa: E731
+    triton = lambda *args, token_bitmask, penalties: calls.append(("triton", len(args), token_bitmask))  # noqa: E731
     dispatch._sample_routed(cuda, triton, *range(8))
     dispatch._sample_routed(cuda, triton, *range(8), token_bitmask="mask")
     assert calls == [("cuda", 8), ("triton", 8, "mask")]

@@ -145,7 +145,8 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
         if self.bad_words is not None:
-            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w for w in self.bad_words):
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
                 raise ValueError(f"bad_words: must be a list of non-empty strings, got {self.bad_words!r}")
             self.bad_words = list(self.bad_words)
 

@@ -24,7 +24,7 @@ def warmup_params() -> list[SamplingParams]:
     classes that requests most use (no ranking, top-p, a top-k of 20); others compile on first use."""
     from nanovllm.kernels.sampling import max_top_k_variants  # Triton's: imported only where it serves
     rankings = [dict(top_k=k) for k in max_top_k_variants()] + [dict(top_p=0.5), {}]
-    penalized = [dict(top_k=20, presence_penalty=0.5), dict(top_p=0.5, presence_penalty=0.5), dict(presence_penalty=0.5)]
+    penalized = [dict(ranking, presence_penalty=0.5) for ranking in (dict(top_k=20), dict(top_p=0.5), {})]
     return [SamplingParams(seed=0, min_p=min_p, logprobs=logprobs, **ranking)
             for ranking in rankings + penalized for min_p in (0.5, 0.0) for logprobs in (1, None)]
 

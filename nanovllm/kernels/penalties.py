@@ -35,7 +35,8 @@ def apply(logits: torch.Tensor, penalties: Penalties | None) -> torch.Tensor:
     seen = (counts > 0) | in_prompt
     repetition = penalties.repetition.to(logits.dtype)[:, None]
     x = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
-    x = x - penalties.frequency.to(logits.dtype)[:, None] * counts - penalties.presence.to(logits.dtype)[:, None] * (counts > 0)
+    frequency, presence = penalties.frequency.to(logits.dtype)[:, None], penalties.presence.to(logits.dtype)[:, None]
+    x = x - frequency * counts - presence * (counts > 0)
     return torch.where(held[:, None], x, logits)
 
 

@@ -89,6 +89,8 @@ class Scheduler:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens(), budget)
             k = self._speculative_tokens(seq, num_speculative, budget) if num_speculative and num_new == 1 else 0
+            if k and not self.block_manager.grow(seq, num_new + k):
+                k = 0  # proposals never cost another sequence its blocks
             if num_new == 0:  # its last token is still being sampled: it ends when that arrives
                 index += 1
             elif self.block_manager.grow(seq, num_new + k):

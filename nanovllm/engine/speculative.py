@@ -117,16 +117,20 @@ class Speculator:
 
 
 def ngram_proposals(token_ids: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
-    """The up to k tokens that followed the most recent earlier occurrence of the sequence's
-    last n tokens, for the longest n in [lookup_min, lookup_max] that occurs; [] if none does."""
+    """The k tokens that followed the most recent earlier occurrence of the sequence's last n
+    tokens, for the longest n in [lookup_min, lookup_max] that occurs; [] if none does."""
     tokens = np.asarray(token_ids)
     for n in range(min(lookup_max, len(tokens) - 1), lookup_min - 1, -1):
         # windows starting at 0 .. len - n - 1: every occurrence but the suffix itself
         windows = sliding_window_view(tokens[:-1], n)
         starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if len(starts):
-            start = starts[-1] + n
-            return tokens[start:start + k].tolist()
+            # Past the sequence's end the copy reads its own proposals: a repeating
+            # stretch shorter than k proposes k tokens of its pattern.
+            proposals, source = [], tokens[starts[-1] + n:].tolist()
+            for i in range(k):
+                proposals.append(source[i] if i < len(source) else proposals[i - len(source)])
+            return proposals
     return []
 
 

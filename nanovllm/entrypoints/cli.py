@@ -20,13 +20,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if field.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         elif field.name == "speculative_config":
-            group.add_argument(flag, type=_json_object, default=None,
+            group.add_argument(flag, type=json_object, default=None,
                                help='a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
         else:
             group.add_argument(flag, type=field.type, default=field.default, help=f"(default: {field.default})")
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -111,6 +111,8 @@ def test_ngram_proposals_take_the_longest_most_recent_match():
     assert ngram_proposals(tokens, 2, 1, 3) == [9, 2]  # "1 2 3" at 0, longer than the later "2 3"
     assert ngram_proposals(tokens, 2, 1, 2) == [8, 7]  # "2 3": the most recent occurrence
     assert ngram_proposals(tokens, 5, 1, 2) == [8, 7, 1, 2, 3]
+    assert ngram_proposals(tokens, 7, 1, 2) == [8, 7, 1, 2, 3, 8, 7]  # the pattern goes on
+    assert ngram_proposals([4, 4, 4], 3, 1, 3) == [4, 4, 4]
     assert ngram_proposals(tokens, 2, 4, 4) == []
     assert ngram_proposals([5], 3, 1, 3) == []
 
@@ -268,3 +270,19 @@ def test_sampled_tokens_follow_the_target(tiny_vocab, new_llm, monkeypatch, para
     assert stats["spec_decode_num_drafts"] == NUM_REQUESTS
     accepted = stats["spec_decode_num_accepted_tokens"] / NUM_REQUESTS
     assert abs(accepted - second[proposal].item()) < 0.03
+
+
+def test_metrics_export_the_counters_and_rates():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nanovllm.entrypoints.metrics import ServerMetrics
+    stats = {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 6}
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(
+        ServerMetrics("m", lambda: stats).render().decode()) for sample in family.samples}
+    assert samples["nanovllm:spec_decode_num_drafts_total"] == 4
+    assert samples["nanovllm:spec_decode_num_draft_tokens_total"] == 12
+    assert samples["nanovllm:spec_decode_num_accepted_tokens_total"] == 6
+    assert samples["nanovllm:spec_decode_acceptance_rate"] == 0.5
+    assert samples["nanovllm:spec_decode_mean_accepted_length"] == 2.5
+    assert not any("spec_decode" in family.name for family in text_string_to_metric_families(
+        ServerMetrics("m", dict).render().decode()))

@@ -184,20 +184,23 @@ class LLMEngine:
         they finish; every other request that receives a token gets an output in
         `_undelivered`, for step(). Returns the (prefill, decode) tokens of the step launched,
         (0, 0) when none was."""
-        num_speculative = None
-        if self.speculator is not None:
-            num_speculative = self.speculator.plan(self.scheduler.running)
-            # Proposals need the last tokens on the host, and a verifying step's tokens decide
-            # where the next step starts: both wait for the steps in flight.
-            if num_speculative or any(batch.num_speculative for batch, _ in self._in_flight):
-                while self._in_flight:
-                    self._collect_oldest(own, finished)
-        launched = None if self.scheduler.is_finished() else self._launch(num_speculative)
+        speculation = self._plan_speculation(own, finished) if self.speculator is not None else {}
+        launched = None if self.scheduler.is_finished() else self._launch(**speculation)
         if launched is None and not self._in_flight and not self.scheduler.is_finished():
             raise RuntimeError("scheduler produced an empty step while requests are pending")
         while len(self._in_flight) > (launched is not None):
             self._collect_oldest(own, finished)
         return launched or (0, 0)
+
+    def _plan_speculation(self, own: set, finished: dict) -> dict:
+        """_launch's arguments for the next step's proposals. Proposals need the last tokens on
+        the host, and a verifying step's tokens decide where the next step starts: both wait
+        for the steps in flight."""
+        num_speculative = self.speculator.plan(self.scheduler.running)
+        if num_speculative or any(batch.num_speculative for batch, _ in self._in_flight):
+            while self._in_flight:
+                self._collect_oldest(own, finished)
+        return {"num_speculative": num_speculative}
 
     def _launch(self, num_speculative: dict[int, int] | None = None) -> tuple[int, int] | None:
         """Schedules a batch and queues it on the device; returns its (prefill, decode) tokens,

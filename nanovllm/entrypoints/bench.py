@@ -24,7 +24,6 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import DTYPES
-from nanovllm.entrypoints.cli import json_object
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 GPU_DEFAULTS = dict(model=os.path.join(CONFIGS, "qwen3-0.6b"), num_seqs=256, min_input_len=100,
@@ -47,7 +46,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--data-parallel-size", type=int, default=1)
-    parser.add_argument("--speculative-config", type=json_object,
+    parser.add_argument("--speculative-config", type=json.loads,
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parser.add_argument("--profile", action="store_true", help="write profile_trace.json and profile_report.txt")
     parser.add_argument("--compare-hf", action="store_true", help="also run Hugging Face transformers")

@@ -78,9 +78,8 @@ class Scheduler:
         budget = self._schedule_running(batch, self.max_num_batched_tokens, num_speculative or {})
         if self.num_preemptions == preemptions or not batch:  # else a victim would come straight back
             self._schedule_waiting(batch, budget)
-        # A verifying row computes past its sequence's end (its proposals).
         batch.sample_rows = [row for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                             if seq.num_computed_tokens + num_new >= len(seq)]
+                             if seq.num_computed_tokens + num_new == len(seq)]
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, num_speculative: dict[int, int]) -> int:
@@ -90,7 +89,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens(), budget)
             k = self._speculative_tokens(seq, num_speculative, budget) if num_speculative and num_new == 1 else 0
             if k and not self.block_manager.grow(seq, num_new + k):
-                k = 0  # proposals never cost another sequence its blocks
+                k = 0  # no preemption to make room for proposals
             if num_new == 0:  # its last token is still being sampled: it ends when that arrives
                 index += 1
             elif self.block_manager.grow(seq, num_new + k):

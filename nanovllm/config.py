@@ -32,10 +32,12 @@ class Config:
     load_format: str = "auto"
     generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json
     kv_cache_dtype: str = "auto"  # "fp8" (e4m3, docs/attention.md#fp8-kv-cache) or "auto": the model's dtype
+    speculative_config: dict | None = None  # vLLM's keys: docs/speculative_decoding.md
     hf_config: ModelConfig = field(init=False)
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     torch_kv_cache_dtype: torch.dtype = field(init=False)
+    speculative: "SpeculativeConfig | None" = field(init=False)
 
     def __post_init__(self):
         if not os.path.isdir(self.model):
@@ -47,6 +49,20 @@ class Config:
         self.torch_dtype = self._resolve_dtype()
         self.torch_kv_cache_dtype = KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.speculative = self._speculative()
+
+    def _speculative(self) -> "SpeculativeConfig | None":
+        if self.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec.method == "draft_model":
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only")
+            draft = model_config_from_dir(spec.model)
+            if draft.vocab_size != self.hf_config.vocab_size:
+                raise ValueError(f"speculative_config.model: its vocabulary ({draft.vocab_size} tokens) differs from "
+                                 f"the target's ({self.hf_config.vocab_size})")
+        return spec
 
     def _check_ranges(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size",
@@ -95,6 +111,52 @@ class Config:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """speculative_config, checked: "ngram" proposes the tokens that followed the most recent
+    earlier occurrence of the sequence's last prompt_lookup_max..prompt_lookup_min tokens;
+    "draft_model" proposes `model`'s greedy tokens. Up to num_speculative_tokens a step."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    @classmethod
+    def from_dict(cls, values) -> "SpeculativeConfig":
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config: expected a dict, got {type(values).__name__}")
+        method = values.get("method")
+        keys = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+                "draft_model": {"method", "num_speculative_tokens", "model"}}
+        if method not in keys:
+            raise ValueError(f"speculative_config.method: must be 'ngram' or 'draft_model', got {method!r}")
+        unknown = sorted(set(values) - keys[method])
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: not a setting of method {method!r}")
+        k = _bounded_int(values, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, None)
+        if method == "draft_model":
+            model = values.get("model")
+            if not isinstance(model, str) or not os.path.isdir(model):
+                raise ValueError(f"speculative_config.model: {model!r} is not a directory")
+            return cls(method, k, model=model)
+        lookup_max = _bounded_int(values, "prompt_lookup_max", 1, MAX_PROMPT_LOOKUP, 4)
+        lookup_min = _bounded_int(values, "prompt_lookup_min", 1, lookup_max, 1)
+        return cls(method, k, lookup_min, lookup_max)
+
+
+# Proposals past these gain nothing: acceptance falls with every further token.
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PROMPT_LOOKUP = 64
+
+
+def _bounded_int(values: dict, name: str, low: int, high: int, default: int | None) -> int:
+    value = values.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"speculative_config.{name}: must be an integer in [{low}, {high}], got {value!r}")
+    return value
 
 
 def resolve_device(device: str) -> torch.device:

@@ -13,7 +13,8 @@ class LLM(LLMEngine):
     LLM(model_dir, device="auto", dtype="auto", max_num_seqs=256, max_num_batched_tokens=8192,
         max_model_len=4096, tensor_parallel_size=1, data_parallel_size=1, kvcache_block_size=128,
         num_kvcache_blocks=-1, gpu_memory_utilization=0.9, enable_prefix_caching=True,
-        enforce_eager=False, load_format="auto", generation_config="auto", kv_cache_dtype="auto")
+        enforce_eager=False, load_format="auto", generation_config="auto", kv_cache_dtype="auto",
+        speculative_config=None)
 
     device "auto" takes CUDA when present, else the CPU. dtype "auto" keeps the checkpoint's
     dtype (fp32 checkpoints run in bf16 on a GPU). The KV cache takes gpu_memory_utilization of
@@ -28,6 +29,11 @@ class LLM(LLMEngine):
     no room for output and is rejected (ValueError naming `prompt`); a shorter one ends with
     finish_reason "length" when its output reaches max_tokens or the whole sequence reaches
     max_model_len, whichever comes first.
+
+    speculative_config: speculative decoding, as vLLM takes it: {"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": M} or
+    {"method": "draft_model", "model": DRAFT_DIR, "num_speculative_tokens": k}
+    (docs/speculative_decoding.md).
 
     Prompts: a string, a list of token ids, or a 1-D integer numpy array or torch tensor is one
     prompt. generate() also takes a non-empty list of prompts, or a 2-D integer array or tensor
@@ -72,6 +78,8 @@ class LLM(LLMEngine):
         nothing."""
         self._in_flight.clear()
         self.model_runner.close()
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.runner.close()
 
     def __enter__(self):
         return self

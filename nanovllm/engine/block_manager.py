@@ -84,13 +84,18 @@ class BlockManager:
         seq.block_table.extend(self._allocate() for _ in range(max(missing, 0)))
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Gives back the blocks past the sequence's computed tokens (reserved for proposals
+        that were rejected); the next step grows the table again as needed."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so they are reused before the prefix blocks other prompts may share.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+            self._release(block_id)
         seq.block_table = []  # a new list, not cleared: steps in flight keep the old one (Scheduler.postprocess)
         seq.num_computed_tokens = 0
 
@@ -107,6 +112,12 @@ class BlockManager:
             block.token_ids = tuple(seq.token_ids[index * size:(index + 1) * size])
             block.hash = chain_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

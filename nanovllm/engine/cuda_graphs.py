@@ -5,6 +5,11 @@ Python). A step runs in the smallest graph that holds it. Padding rows belong to
 sequences of seq_len 0: they read no keys, write no cache slot (-1), and their output is
 dropped.
 
+With speculative decoding, verification graphs hold batches of decodes that verify proposals:
+b sequences of up to q query rows each (b * q rows, and a padding sequence), for q - 1 of 1, 2,
+4, ... proposals up to num_speculative_tokens, while b * q is within the speculative token
+budget.
+
 Decode graphs of up to LOGITS_IN_GRAPH_MAX_ROWS sequences end with the LM head, whose launch
 and graph boundary are a visible share of a small batch's step; not with several ranks, where
 the LM head's gather to rank 0 is a collective. Each of them has a twin that also draws and
@@ -19,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from nanovllm import kernels
+from nanovllm.engine.speculative import SPECULATIVE_TOKEN_BUDGET
 from nanovllm.engine.worker import synchronize, wait_for
 from nanovllm.utils.context import reset_context, set_context
 
@@ -58,7 +64,7 @@ class CUDAGraphs:
         decode = [GraphShape(b, b, 1) for b in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}) if b <= max_bs]
         max_prefill = min(config.max_num_batched_tokens, config.max_model_len, 8192)
         prefill = [GraphShape(t, 2, t) for t in (16 << i for i in range(10)) if t <= max_prefill]
-        self.shapes = decode + prefill
+        self.shapes = decode + prefill + verification_shapes(config, max_bs)
         self._allocate(config, max_blocks_per_seq)
         self._capture()
 
@@ -146,8 +152,10 @@ class CUDAGraphs:
         """The smallest graph that holds `step`, None where none does."""
         if step.max_seqlen_q == 1:
             fits = [s for s in self.shapes if s.max_seqlen_q == 1 and s.seqs >= step.num_seqs]
-        elif step.num_seqs == 1:
-            fits = [s for s in self.shapes if s.max_seqlen_q > 1 and s.tokens >= step.num_tokens]
+        elif step.num_seqs == 1 or step.logit_rows is not None:
+            # a padding sequence takes the rows left over
+            fits = [s for s in self.shapes if s.max_seqlen_q >= step.max_seqlen_q > 1 and s.seqs > step.num_seqs
+                    and s.tokens >= step.num_tokens]
         else:
             return None
         return min(fits, default=None)
@@ -184,3 +192,12 @@ class CUDAGraphs:
         self._staged_events[slot].record()
         self._staged += 1
         return None if shape in self.graph_logits else self.output[:step.num_tokens]
+
+
+def verification_shapes(config, max_bs: int) -> list[GraphShape]:
+    if config.speculative is None:
+        return []
+    k = config.speculative.num_speculative_tokens
+    widths = sorted({*(1 + (1 << i) for i in range(k.bit_length()) if 1 << i <= k), 1 + k})
+    return [GraphShape(b * q, b + 1, q) for q in widths for b in (1 << i for i in range(10))
+            if b <= max_bs and b * q <= SPECULATIVE_TOKEN_BUDGET]

@@ -17,6 +17,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sampled_tokens import SampledTokens
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.speculative import DraftProposer, Speculator
 from nanovllm.sampling_params import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -70,7 +71,11 @@ class LLMEngine:
         generation_config = read_generation_config(model)
         # SamplingParams(**sampling_defaults) serves requests that bring no SamplingParams.
         self.sampling_defaults = sampling_defaults(generation_config) if self.config.generation_config == "auto" else {}
-        self.model_runner = ModelRunner(self.config)
+        self.speculator = None
+        if self.config.speculative is not None:
+            self.model_runner, self.speculator = self._speculative_runners()
+        else:
+            self.model_runner = ModelRunner(self.config)
         self.eos_token_ids = eos_token_ids(self.config, generation_config, self.tokenizer)
         self.scheduler = Scheduler(self.config, self.eos_token_ids, self.model_runner.num_kvcache_blocks)
         self._request_ids = itertools.count()
@@ -81,6 +86,30 @@ class LLMEngine:
         # interrupt while waiting for its tokens loses nothing.
         self._in_flight: deque[tuple[ScheduledBatch, SampledTokens]] = deque()
         self._prefill_rate = self._decode_rate = 0.0  # tokens/s of the last step of each kind, for tqdm
+
+    def _speculative_runners(self) -> tuple[ModelRunner, Speculator]:
+        """The target's runner and the speculator; with a draft model, the draft's runner is
+        built first, so that the target's cache is sized with the draft's weights loaded and
+        shares its memory with the draft's cache (same block count)."""
+        spec = self.config.speculative
+        if spec.method != "draft_model":
+            return ModelRunner(self.config), Speculator(spec)
+        check_draft_tokenizer(self.tokenizer, load_tokenizer(spec.model))
+        config = self.config
+        # The smallest cache at first (one full-length sequence); graphs after it takes its size.
+        draft_config = Config(spec.model, device=config.device, dtype=str(config.torch_dtype).removeprefix("torch."),
+                              max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                              max_model_len=config.max_model_len, kvcache_block_size=config.kvcache_block_size,
+                              num_kvcache_blocks=-(-config.max_model_len // config.kvcache_block_size),
+                              enforce_eager=True, load_format=config.load_format)
+        draft = ModelRunner(draft_config)
+        try:
+            target = ModelRunner(config, draft_block_bytes=draft.block_bytes())
+        except BaseException:
+            draft.close()
+            raise
+        draft.resize_kv_cache(target.num_kvcache_blocks, capture_graphs=not config.enforce_eager)
+        return target, Speculator(spec, DraftProposer(draft))
 
     # --- requests --------------------------------------------------------------------------
     def _prompt_token_ids(self, prompt) -> list[int]:
@@ -173,19 +202,32 @@ class LLMEngine:
         they finish; every other request that receives a token gets an output in
         `_undelivered`, for step(). Returns the (prefill, decode) tokens of the step launched,
         (0, 0) when none was."""
-        launched = None if self.scheduler.is_finished() else self._launch()
+        speculation = self._plan_speculation(own, finished) if self.speculator is not None else {}
+        launched = None if self.scheduler.is_finished() else self._launch(**speculation)
         if launched is None and not self._in_flight and not self.scheduler.is_finished():
             raise RuntimeError("scheduler produced an empty step while requests are pending")
         while len(self._in_flight) > (launched is not None):
             self._collect_oldest(own, finished)
         return launched or (0, 0)
 
-    def _launch(self) -> tuple[int, int] | None:
+    def _plan_speculation(self, own: set, finished: dict) -> dict:
+        """_launch's arguments for the next step's proposals. Proposals need the last tokens on
+        the host, and a verifying step's tokens decide where the next step starts: both wait
+        for the steps in flight."""
+        num_speculative = self.speculator.plan(self.scheduler.running)
+        if num_speculative or any(batch.num_speculative for batch, _ in self._in_flight):
+            while self._in_flight:
+                self._collect_oldest(own, finished)
+        return {"num_speculative": num_speculative}
+
+    def _launch(self, num_speculative: dict[int, int] | None = None) -> tuple[int, int] | None:
         """Schedules a batch and queues it on the device; returns its (prefill, decode) tokens,
         or None if nothing can run until the steps in flight are recorded."""
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(num_speculative)
         if not batch:
             return None
+        if batch.num_speculative:
+            self.speculator.propose(batch)
         tokens = self._count_tokens(batch)  # before launched() moves the sequences on
         sampled = self.model_runner.launch(batch)
         self.scheduler.launched(batch)
@@ -200,9 +242,12 @@ class LLMEngine:
         tokens = sampled.tolist()  # the wait: interrupted here, the step stays queued
         self._in_flight.popleft()
         logprobs = sampled.logprobs(tokens)
-        if logprobs is not None:
-            logprobs = {batch.seqs[row].request_id: entry for row, entry in zip(batch.sample_rows, logprobs)}
-        for seq, position in self.scheduler.postprocess(batch, tokens):
+        if logprobs is not None:  # a row that verifies proposals asks for none
+            logprobs = {seq.request_id: entry for seq, entry in zip(batch.draws(), logprobs) if entry is not None}
+        received = self.scheduler.postprocess(batch, tokens)
+        if batch.num_speculative:
+            self.speculator.record(batch)
+        for seq, position in received:
             if seq.logprobs is not None:  # a token is received once: preemption neither repeats nor drops it
                 seq.logprobs.append(logprobs[seq.request_id])
             if seq.request_id not in own:
@@ -212,8 +257,8 @@ class LLMEngine:
 
     @staticmethod
     def _count_tokens(batch: ScheduledBatch) -> tuple[int, int]:
-        decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                     if n == 1 and seq.num_computed_tokens + 1 == len(seq) > seq.num_prompt_tokens)
+        decode = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                     if seq.num_computed_tokens + 1 == len(seq) > seq.num_prompt_tokens)
         return sum(batch.num_new_tokens) - decode, decode
 
     def _output(self, seq: Sequence, position: int) -> dict:
@@ -278,7 +323,13 @@ class LLMEngine:
         return {"kv_blocks_total": total, "kv_blocks_used": total - manager.num_free_blocks,
                 "kv_blocks_free": manager.num_free_blocks, "prefix_cache_hit_blocks": manager.prefix_cache_hit_blocks,
                 "kv_block_size": manager.block_size, "num_preemptions": self.scheduler.num_preemptions,
-                **self.model_runner.memory_stats()}
+                **self.model_runner.memory_stats(), **(self.speculator.stats() if self.speculator else {})}
+
+
+def check_draft_tokenizer(target, draft) -> None:
+    """A draft proposes token ids: they must mean what they mean to the target."""
+    if (target is None) != (draft is None) or target is not None and target.get_vocab() != draft.get_vocab():
+        raise ValueError("speculative_config.model: the draft model's tokenizer differs from the target's")
 
 
 def split_requests(prompts, sampling_params) -> tuple[list, list]:

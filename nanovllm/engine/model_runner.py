@@ -21,7 +21,7 @@ from nanovllm import distributed, kernels
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine import sampler_warmup
 from nanovllm.engine.cuda_graphs import CUDAGraphs
-from nanovllm.engine.sampled_tokens import SampledTokens, pack_logprobs
+from nanovllm.engine.sampled_tokens import SampledTokens, pinned_copy, pack_logprobs
 from nanovllm.engine.sampling_inputs import SamplingInputs, TokenCounts
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
@@ -34,7 +34,7 @@ from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, kv_cache_scales, load_model
 
 # What a closed runner keeps: the settings and its ranks' handle, no tensor.
-_KEPT_WHEN_CLOSED = {"config", "rank", "tp_size", "device", "dtype", "closed", "workers"}
+_KEPT_WHEN_CLOSED = {"config", "rank", "draft_block_bytes", "tp_size", "device", "dtype", "closed", "workers"}
 
 
 @dataclass(slots=True)
@@ -51,6 +51,9 @@ class StepInputs:
     max_seqlen_q: int
     deferred: bool
     sample_rows: list[int]  # the sequences whose next token the step samples
+    # The rows whose logits are drawn from, where the step verifies proposals (every row of a
+    # verifying sequence); None: each sample row's last.
+    logit_rows: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,9 +65,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0):
-        """`rank` > 0: a tensor-parallel rank in its own process, in the group already."""
-        self.config, self.rank = config, rank
+    def __init__(self, config: Config, rank: int = 0, draft_block_bytes: int = 0):
+        """`rank` > 0: a tensor-parallel rank in its own process, in the group already.
+        `draft_block_bytes`: a block's bytes in a draft model's cache, which takes the same
+        number of blocks (engine/speculative.py); the cache's memory is shared with it."""
+        self.config, self.rank, self.draft_block_bytes = config, rank, draft_block_bytes
         self.tp_size = config.tensor_parallel_size
         self.device, self.dtype = config.torch_device, config.torch_dtype  # "cuda": this rank's GPU
         self.kv_cache_dtype = config.torch_kv_cache_dtype
@@ -203,7 +208,7 @@ class ModelRunner:
     def _cpu_default_blocks(self) -> int:
         """A CPU_KV_CACHE_BYTES budget, but no more than max_num_seqs full-length sequences use."""
         needed = self.config.max_num_seqs * self.max_blocks_per_seq
-        return max(1, min(CPU_KV_CACHE_BYTES // self.block_bytes(), needed))
+        return max(1, min(CPU_KV_CACHE_BYTES // (self.block_bytes() + self.draft_block_bytes), needed))
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         hf = self.config.hf_config
@@ -211,6 +216,15 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def resize_kv_cache(self, num_blocks: int, capture_graphs: bool) -> None:
+        """A draft model's cache takes its target's block count; its graphs, captured with the
+        cache they write, come after."""
+        del self.kv_cache
+        self._bind_kv_cache(num_blocks)
+        self.num_kvcache_blocks = num_blocks
+        if capture_graphs and self.device.type == "cuda" and kernels.graph_capturable(self.device):
+            self._capture_graphs()
 
     def _blocks_from_gpu_memory(self) -> int:
         """Runs the largest step the scheduler can produce (with a temporary cache just large
@@ -231,7 +245,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         weights_and_others = total - free
         budget = total * self.config.gpu_memory_utilization - weights_and_others - peak_activations
-        return int(budget // self.block_bytes())
+        return int(budget // (self.block_bytes() + self.draft_block_bytes))
 
     @torch.inference_mode()
     def _warmup(self, num_seqs: int, seq_len: int) -> None:
@@ -285,7 +299,7 @@ class ModelRunner:
         input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens = [], [], [], [0], []
         deferred = False  # whether an input id is still to come from the last step's samples
         size = self.block_size
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             if num_new == 1:  # decode: the common case, kept cheap
                 token = seq.token_ids[start]
@@ -294,23 +308,29 @@ class ModelRunner:
                 input_ids.append(token)
                 positions.append(start)
                 slot_mapping.append(seq.block_table[start // size] * size + start % size)
-            else:
-                input_ids.extend(seq.token_ids[start:end])
+            else:  # a prefill chunk, or a decode and the proposals it verifies
+                input_ids.extend(seq.token_ids[start:end] if row not in batch.proposals
+                                 else [seq.token_ids[start], *batch.proposals[row]])
                 positions.extend(range(start, end))
                 slot_mapping.extend(self._slots(seq, start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
             seq_lens.append(end)
         width = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in batch.seqs]
+        logit_rows = None
+        if batch.proposals:
+            logit_rows = [i for row in batch.sample_rows
+                          for i in range(cu_seqlens_q[row] if row in batch.proposals else cu_seqlens_q[row + 1] - 1,
+                                         cu_seqlens_q[row + 1])]
         return StepInputs(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables,
-                          max(batch.num_new_tokens), deferred, batch.sample_rows)
+                          max(batch.num_new_tokens), deferred, batch.sample_rows, logit_rows)
 
     def launch(self, batch: ScheduledBatch) -> SampledTokens:
         """Queues one forward pass and the sampling of every sequence in `batch.sample_rows`;
         returns their tokens without waiting for them."""
         self._check_open()
         step = self.prepare(batch)
-        seqs = [batch.seqs[row] for row in batch.sample_rows]
+        seqs = batch.draws()
         if self.workers:
             self.workers.send(("run_step", step))
             try:
@@ -323,9 +343,13 @@ class ModelRunner:
         self._last_sample_rows = {seq.request_id: i for i, seq in enumerate(seqs)}
         num_logprobs = None if self._last_logprobs is None else [seq.params.logprobs for seq in seqs]
         row = self._publish_row
+        if step.logit_rows is not None:
+            host = self._draws_host
+        else:
+            host = None if row is None else self.sampled_host[row, :len(seqs)]
         # The wait holds the ranks, not the runner: the runner keeps its readers, and a cycle
         # would keep the device memory until the garbage collector finds it.
-        sampled = SampledTokens(None if row is None else self.sampled_host[row, :len(seqs)], self.pin,
+        sampled = SampledTokens(host, self.pin,
                                 functools.partial(wait_for, self.workers), self._last_logprobs, num_logprobs)
         if row is not None:
             self._readers[row] = sampled
@@ -342,7 +366,8 @@ class ModelRunner:
             sampling = SamplingInputs(seqs, self.config.hf_config.vocab_size, self.noise_rng, self.token_counts,
                                       lambda seq: self._last_sample_rows[seq.request_id])
         shape = self.graphs.shape_for(step) if self.graphs else None
-        draw_in_graph = shape is not None and self.graphs.draws(shape, step, sampling)
+        verifying = step.logit_rows is not None
+        draw_in_graph = shape is not None and not verifying and self.graphs.draws(shape, step, sampling)
         self._last_logprobs, self._publish_row = None, None
         row = self._published % 2
         if step.sample_rows and self.rank == 0 and self._readers[row] is not None:
@@ -358,11 +383,14 @@ class ModelRunner:
                 graph_logits = self.graphs.logits(shape) if shape else None
                 logits = self._logits(hidden, step, graph_logits)
                 tokens, self._last_logprobs = self._sample(logits, seqs, sampling)
+                if verifying:  # more draws than last_tokens holds; the next step waits for them
+                    self._draws_host = pinned_copy(tokens) if self.pin else tokens
+                    return
                 kernels.publish_tokens(tokens, self.last_tokens, self.sampled_host, self.publish_parity)
             self._published, self._publish_row = self._published + 1, row
         else:
             self._logits(hidden, step)  # this rank's vocabulary rows, gathered on rank 0
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not verifying:
             distributed.broadcast_from_first(self.last_tokens[:len(step.sample_rows)])
 
     def _logits(self, hidden: torch.Tensor | None, step: StepInputs,
@@ -371,7 +399,7 @@ class ModelRunner:
         `graph_logits` (a decode step samples every row)."""
         if hidden is None:
             return graph_logits[:len(step.sample_rows)]
-        last_rows = [step.cu_seqlens_q[row + 1] - 1 for row in step.sample_rows]
+        last_rows = step.logit_rows or [step.cu_seqlens_q[row + 1] - 1 for row in step.sample_rows]
         if len(last_rows) < hidden.shape[0]:  # a decode step samples every row: no gather needed
             hidden = hidden[self._to_device(last_rows, torch.long)]
         return self.model.compute_logits(hidden)

@@ -14,7 +14,7 @@ class SampledTokens:
     def __init__(self, host: torch.Tensor | None, on_gpu: bool = False, wait=None,
                  logprobs: torch.Tensor | None = None, num_logprobs: list[int | None] | None = None):
         self._host, self._wait, self.num_logprobs, self._tokens = host, wait, num_logprobs, None
-        self.logprobs_packed = _pinned_copy(logprobs) if on_gpu and logprobs is not None else logprobs
+        self.logprobs_packed = pinned_copy(logprobs) if on_gpu and logprobs is not None else logprobs
         self._ready = None
         if on_gpu and host is not None:
             self._ready = torch.cuda.Event()
@@ -57,7 +57,7 @@ class SampledTokens:
         return entries
 
 
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     return host

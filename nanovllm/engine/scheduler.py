@@ -6,13 +6,17 @@ every token it has generated.
 
 A step is recorded in two halves so that the next one can be scheduled while it runs:
 `launched` when it is handed to the device (computed tokens advance, each sampled token gets a
-placeholder), `postprocess` when its tokens arrive (placeholders filled, stops checked)."""
+placeholder), `postprocess` when its tokens arrive (placeholders filled, stops checked).
+
+A speculating decode (docs/speculative_decoding.md) reserves blocks for its last token and k
+proposals; it counts one computed token when launched, like a plain decode, and the accepted
+proposals when its tokens arrive, which give back the blocks of the rejected ones."""
 from collections import deque
 from dataclasses import dataclass, field
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER, Draw, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -24,9 +28,29 @@ class ScheduledBatch:
     computed_before: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)  # the lists themselves: see postprocess
     token_positions: list[int] = field(default_factory=list)  # where each sampled token goes in its sequence
+    # Speculating rows: the proposals each may verify (reserved by schedule), the proposals
+    # (filled before launch, none left empty), the proposals accepted (filled by postprocess).
+    num_speculative: dict[int, int] = field(default_factory=dict)
+    proposals: dict[int, list[int]] = field(default_factory=dict)
+    num_accepted: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def draws(self) -> list:
+        """What each of the step's draws samples for, in token order: a sample row's sequence,
+        or for a row verifying proposals one Draw per position."""
+        if not self.proposals:
+            return [self.seqs[row] for row in self.sample_rows]
+        draws = []
+        for row in self.sample_rows:
+            seq = self.seqs[row]
+            if row in self.proposals:
+                draws.extend(Draw(seq.request_id, seq.params, seq.num_output_tokens + i)
+                             for i in range(len(self.proposals[row]) + 1))
+            else:
+                draws.append(seq)
+        return draws
 
 
 class Scheduler:
@@ -46,31 +70,47 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, num_speculative: dict[int, int] | None = None) -> ScheduledBatch:
+        """`num_speculative`: request id -> the proposals its decode may verify this step; the
+        sequences' last tokens must be on the host."""
         batch = ScheduledBatch([], [])
         preemptions = self.num_preemptions
-        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        budget = self._schedule_running(batch, self.max_num_batched_tokens, num_speculative or {})
         if self.num_preemptions == preemptions or not batch:  # else a victim would come straight back
             self._schedule_waiting(batch, budget)
         batch.sample_rows = [row for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                              if seq.num_computed_tokens + num_new == len(seq)]
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, num_speculative: dict[int, int]) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens(), budget)
+            k = self._speculative_tokens(seq, num_speculative, budget) if num_speculative and num_new == 1 else 0
+            if k and not self.block_manager.grow(seq, num_new + k):
+                k = 0  # no preemption to make room for proposals
             if num_new == 0:  # its last token is still being sampled: it ends when that arrives
                 index += 1
-            elif self.block_manager.grow(seq, num_new):
+            elif self.block_manager.grow(seq, num_new + k):
+                if k:
+                    batch.num_speculative[len(batch.seqs)] = k
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
-                budget -= num_new
+                budget -= num_new + k
                 index += 1
             elif not self._preempt_last(protect=seq):
                 self._preempt(seq)  # nothing left to take blocks from but itself
         return budget
+
+    def _speculative_tokens(self, seq: Sequence, num_speculative: dict[int, int], budget: int) -> int:
+        """How many proposals a decode may verify: its share, within the step's budget, and no
+        more than fit before max_tokens and max_model_len (every drawn token must be allowed)."""
+        k = num_speculative.get(seq.request_id, 0)
+        if not k:
+            return 0
+        return max(0, min(k, budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - len(seq) - 1))
 
     def _preempt_last(self, protect: Sequence) -> bool:
         victim = self.running[-1]
@@ -104,10 +144,11 @@ class Scheduler:
     def launched(self, batch: ScheduledBatch) -> None:
         """Records a batch handed to the device: its tokens count as computed, and each token it
         samples gets a placeholder, unless that token ends its sequence by length."""
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             batch.computed_before.append(seq.num_computed_tokens)
             batch.block_tables.append(seq.block_table)
-            seq.num_computed_tokens += num_new
+            # a verifying row's proposals count once accepted (postprocess)
+            seq.num_computed_tokens += 1 if row in batch.num_speculative else num_new
         for row in batch.sample_rows:
             seq = batch.seqs[row]
             batch.token_positions.append(len(seq))
@@ -119,6 +160,8 @@ class Scheduler:
         it filled findable. Returns the sequences that received a token, each with the token's
         position (placeholders of steps launched since may follow it); not those that finished
         or were aborted while the step ran."""
+        if batch.num_speculative:
+            return self._postprocess_speculative(batch, tokens)
         for seq, num_new, before, table in zip(batch.seqs, batch.num_new_tokens, batch.computed_before,
                                                batch.block_tables):
             # A sequence freed since (finished, aborted, preempted, maybe readmitted) holds another
@@ -131,6 +174,35 @@ class Scheduler:
             if not seq.is_finished:
                 self._record_token(seq, position, token)
                 received.append((seq, position))
+        return received
+
+    def _postprocess_speculative(self, batch: ScheduledBatch, tokens: list[int]) -> list[tuple[Sequence, int]]:
+        """postprocess of a step that verified proposals: `tokens` holds a verifying row's
+        draws at each of its positions. The row takes the proposals equal to the draws before
+        them and the draw after the last, stopping at a stop; the computed tokens advance by
+        the accepted proposals, and the blocks reserved past them go back."""
+        received, draws = [], iter(tokens)
+        for row, position in zip(batch.sample_rows, batch.token_positions):
+            seq, proposals = batch.seqs[row], batch.proposals.get(row, [])
+            drawn = [next(draws) for _ in range(len(proposals) + 1)]
+            accepted = num_accepted(proposals, drawn)
+            if row in batch.num_speculative:
+                batch.num_accepted[row] = accepted
+            if seq.is_finished:
+                continue
+            for offset in range(accepted + 1):
+                self._record_token(seq, position + offset, drawn[offset])
+                received.append((seq, position + offset))
+                if seq.is_finished:
+                    break
+            if row in batch.num_speculative and seq.block_table is batch.block_tables[row] and not seq.is_finished:
+                seq.num_computed_tokens += accepted
+                self.block_manager.trim(seq)
+        for row, (seq, num_new, before, table) in enumerate(zip(batch.seqs, batch.num_new_tokens,
+                                                                 batch.computed_before, batch.block_tables)):
+            if seq.block_table is table:
+                end = seq.num_computed_tokens if row in batch.num_speculative else before + num_new
+                self.block_manager.register_full_blocks(seq, before, end)
         return received
 
     def _record_token(self, seq: Sequence, position: int, token: int) -> None:
@@ -168,3 +240,11 @@ class Scheduler:
                 self.finish(seq, "abort")
                 return seq
         return None
+
+
+def num_accepted(proposals: list[int], drawn: list[int]) -> int:
+    """How many leading proposals equal the tokens drawn at their positions."""
+    accepted = 0
+    while accepted < len(proposals) and proposals[accepted] == drawn[accepted]:
+        accepted += 1
+    return accepted

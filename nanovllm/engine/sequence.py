@@ -1,10 +1,20 @@
 from enum import Enum, auto
+from typing import NamedTuple
 
 from nanovllm.sampling_params import SamplingParams
 
 # Stands in for a token sampled by a step still running on the device: the next step can be
 # scheduled (lengths, positions, blocks) before the value reaches the host.
 PLACEHOLDER = -1
+
+
+class Draw(NamedTuple):
+    """One of the tokens a speculative step draws for a sequence, as the sampler sees it: the
+    sequence's params, and the output position the token would have without speculation
+    (a seeded request's noise is keyed by it)."""
+    request_id: int
+    params: SamplingParams
+    num_output_tokens: int
 
 
 class SequenceStatus(Enum):

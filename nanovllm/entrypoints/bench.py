@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--speculative-config", type=json.loads,
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parser.add_argument("--profile", action="store_true", help="write profile_trace.json and profile_report.txt")
     parser.add_argument("--compare-hf", action="store_true", help="also run Hugging Face transformers")
     parser.add_argument("--penalties", action="store_true",
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None):
     max_len = args.max_input_len + args.max_output_len
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
               load_format=load_format, max_model_len=max_len, tensor_parallel_size=args.tensor_parallel_size,
-              data_parallel_size=args.data_parallel_size)
+              data_parallel_size=args.data_parallel_size, speculative_config=args.speculative_config)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     tokens, seconds = timed_generate(llm, prompts, params)
     prompt_tokens = sum(len(p) for p in prompts)
@@ -244,6 +246,13 @@ def main(argv: list[str] | None = None):
               "total_tok_per_s": round((tokens + prompt_tokens) / seconds, 1),
               "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
               "data_parallel_size": args.data_parallel_size, **versions(), "date": time.strftime("%Y-%m-%d")}
+    if args.speculative_config:
+        stats = llm.memory_stats()
+        result["speculative_config"] = args.speculative_config
+        result.update({key: round(value, 3) for key, value in stats.items() if key.startswith("spec_decode")})
+        print(f"Speculative decoding: {stats['spec_decode_num_draft_tokens']} tokens proposed, "
+              f"{stats['spec_decode_num_accepted_tokens']} accepted (rate {stats['spec_decode_acceptance_rate']:.3f}, "
+              f"mean accepted length {stats['spec_decode_mean_accepted_length']:.2f})")
     ttft_len = min(1024, args.max_input_len)
     result[f"ttft_ms_{ttft_len}_tokens"] = round(time_to_first_token_ms(llm, ttft_len), 2)
     print(f"Generated {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} output tok/s, "

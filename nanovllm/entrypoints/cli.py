@@ -2,6 +2,7 @@
 `nanovllm bench` runs bench.py's throughput workload."""
 import argparse
 import dataclasses
+import json
 import os
 
 from nanovllm.config import Config
@@ -18,8 +19,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + field.name.replace("_", "-")
         if field.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        elif field.name == "speculative_config":
+            group.add_argument(flag, type=json_object, default=None,
+                               help='a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
         else:
             group.add_argument(flag, type=field.type, default=field.default, help=f"(default: {field.default})")
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def engine_args(args: argparse.Namespace) -> dict:

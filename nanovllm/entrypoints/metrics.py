@@ -32,6 +32,28 @@ class _EngineCollector:
             counter = CounterMetricFamily(f"nanovllm:{name}", doc, labels=names)
             counter.add_metric(values, stats.get(key, 0))
             yield counter
+        if "spec_decode_num_drafts" in stats:
+            yield from self._speculative(stats, names, values)
+
+    @staticmethod
+    def _speculative(stats: dict, names: list, values: list):
+        """Speculative decoding's counters; the rates from them, so they hold for the sum of
+        data-parallel replicas too."""
+        drafts, proposed, accepted = (stats[f"spec_decode_num_{key}"] for key in ("drafts", "draft_tokens",
+                                                                               "accepted_tokens"))
+        for key, doc, value in (("drafts", "Steps of a sequence that verified proposals.", drafts),
+                                ("draft_tokens", "Proposed tokens verified.", proposed),
+                                ("accepted_tokens", "Proposed tokens accepted.", accepted)):
+            counter = CounterMetricFamily(f"nanovllm:spec_decode_num_{key}", doc, labels=names)
+            counter.add_metric(values, value)
+            yield counter
+        for key, doc, value in (
+                ("acceptance_rate", "Accepted over proposed tokens, since start.", accepted / max(proposed, 1)),
+                ("mean_accepted_length", "Tokens a verifying sequence gains a step (accepted + 1), since start.",
+                 1 + accepted / max(drafts, 1))):
+            gauge = GaugeMetricFamily(f"nanovllm:spec_decode_{key}", doc, labels=names)
+            gauge.add_metric(values, value)
+            yield gauge
 
 
 class ServerMetrics:

@@ -57,7 +57,8 @@ class SamplingInputs:
                 self.penalty_rows = counts.rows_of(seqs)
                 self.penalty_values = [[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
                                        [p.repetition_penalty for p in params]]
-            self.edits = logit_edits(seqs, pending)
+            if any(edits(p) for p in params):  # a speculative step's draws never edit (speculative.speculates)
+                self.edits = logit_edits(seqs, pending)
         self.counts = counts
 
     def tensors(self, to_device, last_tokens: torch.Tensor | None = None) -> dict:

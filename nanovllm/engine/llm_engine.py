@@ -160,7 +160,7 @@ class LLMEngine:
         """Each word's tokens with and without a leading space (vLLM's rule), once each."""
         found = []
         for word in words:
-            for text in (word, " " + word.lstrip()):
+            for text in (word.lstrip(), " " + word.lstrip()):
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
                 if ids and ids not in found:
                     found.append(ids)

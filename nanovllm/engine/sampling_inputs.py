@@ -29,8 +29,10 @@ def edits(params) -> bool:
 
 
 def plain(params) -> bool:
-    """A draw without filters, edits or log-probabilities: the one a CUDA graph may take."""
-    return params.logprobs is None and not ranks(params) and params.min_p <= 0 and not edits(params)
+    """A draw without filters, edits, a grammar's token bitmask or log-probabilities: the one a
+    CUDA graph may take."""
+    return (params.logprobs is None and not ranks(params) and params.min_p <= 0 and not edits(params)
+            and params.structured_outputs is None)
 
 
 class SamplingInputs:

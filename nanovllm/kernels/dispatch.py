@@ -148,6 +148,7 @@ def _implementation(op: str, device_type: str):
 
 
 def _sample_routed(cuda_sample, triton_sample, *args, token_bitmask=None, penalties=None):
+    """The CUDA C++ sampler's calls, those with a bitmask or penalties handed to Triton."""
     if token_bitmask is None and penalties is None:
         return cuda_sample(*args)
     return triton_sample(*args, token_bitmask=token_bitmask, penalties=penalties)

@@ -26,7 +26,11 @@ that pass BigCrush) at counter t - t % 4n + t % n, output (t % 4n) // n, where t
 n = 1024 (32 to 512 for vocabularies under 4,096, so that small ones stay cheap). A seeded
 row draws the same token in any batch. Gumbel noise in base 2: argmax(x log2(e) / T -
 log2(-log2(u))) is the draw of softmax(x / T), one multiply-add and two fast logs a token.
-Past max_top_k > SORT_FREE_TOP_K the filters come from a sort (reference.sampling_mask)."""
+Past max_top_k > SORT_FREE_TOP_K the filters come from a sort (reference.sampling_mask).
+
+Every launch reads logits through _load_logits, which applies the penalties
+(kernels.penalties) and the allowed-token bitmask where they are given; the finalize then
+counts each penalized row's drawn token."""
 import torch
 import triton
 import triton.language as tl

@@ -83,14 +83,11 @@ def test_echo_puts_the_prompt_first(client, llm, stream):
         assert texts[index] == prompt + generate(llm, llm.tokenizer.encode(prompt), 6, ignore_eos=True)["text"]
 
 
-def test_echo_of_token_ids_decodes_them(client, llm):
+def test_echo_of_token_ids_decodes_them_and_echo_with_logprobs_is_refused(client, llm):
     ids = llm.tokenizer.encode(PROMPT)
     out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0, echo=True,
                                     extra_body={"ignore_eos": True})
     assert out.choices[0].text == llm.tokenizer.decode(ids) + generate(llm, ids, 4, ignore_eos=True)["text"]
-
-
-def test_echo_with_logprobs_is_refused_naming_echo(client):
-    with pytest.raises(openai.BadRequestError) as error:
+    with pytest.raises(openai.BadRequestError) as error:  # the prompt's log-probabilities are not computed
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
     assert error.value.body["param"] == "echo"

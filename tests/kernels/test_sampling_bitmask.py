@@ -72,11 +72,12 @@ def test_reference_draws_only_allowed_tokens_with_masked_logprobs():
 @pytest.mark.parametrize("target", [pytest.param("interpreter", marks=pytest.mark.triton_interpret),
                                     pytest.param("triton", marks=pytest.mark.gpu),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("vocab", [300, 5000])
+@pytest.mark.parametrize("vocab", [300, pytest.param(5000, marks=pytest.mark.gpu)])
 def test_kernel_draws_the_replayed_token_of_the_masked_logits(target, vocab):
     """Every kind of row, with top-k / top-p (max_top_k 32), min-p alone, and no filter: the
     token the kernels' noise draws from the masked logits, and its masked log-probability.
-    The CUDA C++ sampler's calls with a bitmask go to the Triton kernels (dispatch.py)."""
+    The CUDA C++ sampler's calls with a bitmask go to the Triton kernels (dispatch.py). Two
+    scan chunks with a bitmask run through the interpreter in test_sampling_penalties.py."""
     device, sample = implementation(target)
     if target == "cuda":
         sample = functools.partial(dispatch._sample_routed, sample, sampling.sample)

@@ -96,3 +96,28 @@ def test_sort_path_penalizes_and_counts(target):
     tokens, _ = sample(x, temperatures, seeds, top_ks, top_ps, min_ps, 600, False, penalties=given)
     assert tokens.cpu().tolist() == replay(expected.float(), temperatures, seeds, top_ks, top_ps, min_ps).tolist()
     assert (given.counts - before).sum().item() == (given.rows >= 0).sum().item()
+
+
+def test_the_sampler_layer_edits_then_penalizes_and_its_top_logprobs_precede_the_count():
+    """logit_edits are added first (a ban, a bias); the top log-probabilities are those of the
+    counts before the draw, which then counts its token."""
+    from nanovllm.layers.sampler import Sampler
+    torch.manual_seed(7)
+    (x, temperatures, seeds, *_), given, prompt = penalized_batch(200, "cpu")
+    before = given.counts.clone()
+    edits = (torch.tensor([0, 2, 2]), torch.tensor([5, 9, 11]), torch.tensor([float("-inf"), 4.0, -2.0]))
+    edited = x.clone()
+    edited[0, 5], edited[2, 9], edited[2, 11] = float("-inf"), x[2, 9] + 4, x[2, 11] - 2
+    logits = x.clone()
+    rows = torch.tensor([0, 2, 3])
+    tokens, (chosen, (values, ids)) = Sampler()(logits, temperatures, seeds, logprobs=True, top_rows=rows, num_top=5,
+                                                logit_edits=edits, penalties=given)
+    given_before = penalties.Penalties(given.rows, given.presence, given.frequency, given.repetition, before,
+                                       given.prompt)
+    scale = torch.where(temperatures > 0, temperatures, 1).double()[:, None]
+    full = (penalized_float64(edited, given_before, prompt) / scale).log_softmax(-1)
+    torch.testing.assert_close(values.double(), full[rows].topk(5).values, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids, full[rows].topk(5).indices)
+    torch.testing.assert_close(chosen.double(), full.gather(1, tokens[:, None]).view(-1), atol=1e-5, rtol=1e-5)
+    assert tokens[0] != 5 and torch.equal(logits, edited)
+    assert (given.counts - before).sum().item() == (given.rows >= 0).sum().item()

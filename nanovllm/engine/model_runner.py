@@ -22,7 +22,7 @@ from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine import sampler_warmup
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.sampled_tokens import SampledTokens, pack_logprobs
-from nanovllm.engine.sampling_inputs import SamplingInputs
+from nanovllm.engine.sampling_inputs import SamplingInputs, TokenCounts
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.worker import WorkerError, Workers, start_ranks, synchronize, wait_for
@@ -99,6 +99,7 @@ class ModelRunner:
         self.model = self._build_model()
         self.sampler = Sampler()
         self.noise_rng = random.Random()  # seeds the noise of unseeded requests, from OS entropy
+        self.token_counts = TokenCounts(self.config.hf_config.vocab_size, self.device)  # of penalized requests
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self._set_kv_cache_scales()
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -335,7 +336,11 @@ class ModelRunner:
         """The forward pass of a prepared step and the tokens of its sample rows (`seqs`, on rank
         0): sampled on rank 0, broadcast from it to the other ranks. Log-probabilities stay on
         rank 0."""
-        sampling = SamplingInputs(seqs, self.config.hf_config.vocab_size, self.noise_rng) if seqs else None
+        sampling = None
+        if seqs:
+            self.token_counts.release_finished()
+            sampling = SamplingInputs(seqs, self.config.hf_config.vocab_size, self.noise_rng, self.token_counts,
+                                      lambda seq: self._last_sample_rows[seq.request_id])
         shape = self.graphs.shape_for(step) if self.graphs else None
         draw_in_graph = shape is not None and self.graphs.draws(shape, step, sampling)
         self._last_logprobs, self._publish_row = None, None
@@ -373,7 +378,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, seqs, sampling: SamplingInputs):
         """-> (token ids [B], packed log-probabilities or None when no row asks)."""
-        tensors = sampling.tensors(self._to_device)
+        tensors = sampling.tensors(self._to_device, self.last_tokens)
         if all(s.params.logprobs is None for s in seqs):
             return self.sampler(logits, **tensors)[0], None
         top_rows = [row for row, s in enumerate(seqs) if s.params.logprobs]
@@ -409,8 +414,9 @@ class ModelRunner:
         if logits is None:
             return
         vocab = self.config.hf_config.vocab_size
-        draws = [functools.partial(self._sample, logits, [seq], SamplingInputs([seq], vocab, self.noise_rng))
-                 for seq in (Sequence(0, [0], params) for params in sampler_warmup.warmup_params())]
+        counts = TokenCounts(vocab, self.device)  # the warm-up's own: its requests never finish
+        draws = [functools.partial(self._sample, logits, [seq], SamplingInputs([seq], vocab, self.noise_rng, counts))
+                 for seq in (Sequence(i, [0], params) for i, params in enumerate(sampler_warmup.warmup_params()))]
         draws[0]()  # alone: a kernel's first launch sets up its caches
         sampler_warmup.in_parallel(draws[1:], self.device)
         for count in sampler_warmup.SPECIALIZED_COUNTS:

@@ -136,7 +136,8 @@ def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, 
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, top_ks=None, top_ps=None,
-           min_ps=None, *, max_top_k: int | None = None, logprobs: bool = False):
+           min_ps=None, *, max_top_k: int | None = None, logprobs: bool = False, token_bitmask=None,
+           penalties=None):
     """One token per row of logits [B, V], drawn from softmax(logits / T) restricted by the
     row's filters, without a sort. Tokens rank by logit, ties by lower id. min_ps[i]: keep
     tokens with p >= min_p * p_max (0: off); top_ks[i]: keep the first k ranks (outside
@@ -152,7 +153,14 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     filtered without a sort, above it through one; a row asking for more than the bound keeps
     max_top_k tokens. Returns (tokens int64 [B], logprobs): with `logprobs`, the float32 [B]
     log_softmax(logits / T)[token] of the unfiltered distribution (T = 1 for greedy rows), else
-    None."""
+    None.
+
+    token_bitmask: None, or int32 [B, ceil(V / 32)] whose bit v % 32 of word v // 32 allows token
+    v (xgrammar's and llguidance's layout; an unconstrained row is all ones, -1 words). A
+    disallowed token is a -inf logit for every row kind and for the log-probabilities.
+    penalties: None or a kernels.penalties.Penalties, applied to the logits as they are read;
+    the drawn tokens of its rows are counted in its table. Log-probabilities are of the logits
+    after both."""
     require_float(logits, "logits")
     require(logits.dim() == 2, "logits", lambda: f"must be [rows, vocab], got shape {tuple(logits.shape)}")
     require_row_vector(temperatures, logits, "temperatures", require_float)
@@ -163,5 +171,12 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
             require_row_vector(values, logits, name, kind)
     require(max_top_k is None or (isinstance(max_top_k, int) and max_top_k >= 1), "max_top_k",
             lambda: f"must be a positive int or None, got {max_top_k!r}")
+    if token_bitmask is not None:
+        words = (logits.shape[0], -(-logits.shape[1] // 32))
+        require(token_bitmask.dtype == torch.int32 and token_bitmask.shape == words, "token_bitmask",
+                lambda: f"must be int32 of shape {words}, got {token_bitmask.dtype} {tuple(token_bitmask.shape)}")
+        require(token_bitmask.device == logits.device, "token_bitmask",
+                lambda: f"device {token_bitmask.device} differs from logits' {logits.device}")
     return implementation("sample", logits.device)(logits, temperatures, seeds, top_ks, top_ps, min_ps,
-                                                   max_top_k, bool(logprobs))
+                                                   max_top_k, bool(logprobs), token_bitmask=token_bitmask,
+                                                   penalties=penalties)

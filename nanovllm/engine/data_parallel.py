@@ -1,8 +1,11 @@
 """Data parallelism: M independent engines (replicas), each in a process of its own and each
-possibly tensor-parallel, so M x N GPUs. The user's process only dispatches: generate() gives
-each prompt to the replica with the fewest tokens in flight, waits for every replica's share
-and returns the outputs in input order. A replica in its own process keeps the engine code
-untouched and its Python work (scheduling, preparing steps) off the other replicas' GIL."""
+possibly tensor-parallel, so M x N GPUs. Both front ends share what is decided here: where a
+replica runs (`replica_environments`) and where a request goes (`least_loaded`, weighing each
+by `request_load`). LLM's is DataParallelLLM: the user's process only dispatches; generate()
+gives each prompt to a replica, waits for every replica's share and returns the outputs in
+input order. The server's is entrypoints/engine_loop.py's DataParallelEngine, which streams
+and restarts replicas. A replica in its own process keeps the engine code untouched and its
+Python work (scheduling, preparing steps) off the other replicas' GIL."""
 import atexit
 import os
 import weakref
@@ -55,13 +58,12 @@ class DataParallelLLM:
         return outputs
 
     def _shares(self, prompts, sampling_params) -> dict[int, list[int]]:
-        """Prompt indices per replica: each prompt to the replica with the fewest tokens in flight,
-        counting a request as its prompt and max_tokens (stops may end it sooner)."""
+        """Prompt indices per replica, by `least_loaded`: the whole batch is in flight at once."""
         loads, shares = [0] * self.config.data_parallel_size, {}
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            replica = loads.index(min(loads))
+            replica = least_loaded(loads)
             shares.setdefault(replica, []).append(index)
-            loads[replica] += self._num_tokens(prompt) + getattr(params or SamplingParams(), "max_tokens", 0)
+            loads[replica] += request_load(self._num_tokens(prompt), params)
         return shares
 
     def _num_tokens(self, prompt) -> int:
@@ -78,6 +80,19 @@ class DataParallelLLM:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def request_load(num_prompt_tokens: int, params) -> int:
+    """A request's share of a replica's load: the tokens it may bring, its prompt and max_tokens
+    (stops may end it sooner). Counting requests instead balances worse: docs/distributed.md."""
+    return num_prompt_tokens + getattr(params or SamplingParams(), "max_tokens", 0)
+
+
+def least_loaded(loads: list[int]) -> int:
+    """The replica a new request goes to, given each one's summed request_load in flight: the
+    least loaded, the first of equals. The rule of both data-parallel front ends, LLM's
+    DataParallelLLM and the server's DataParallelEngine."""
+    return loads.index(min(loads))
 
 
 def replica_environments(config: Config) -> list[dict] | None:

@@ -27,7 +27,7 @@ import traceback
 import weakref
 
 from nanovllm.config import Config
-from nanovllm.engine.data_parallel import replica_environments
+from nanovllm.engine.data_parallel import least_loaded, replica_environments, request_load
 from nanovllm.engine.worker import child_environment
 
 _HEADER = struct.Struct("<Q")
@@ -146,12 +146,13 @@ class EngineDeadError(RuntimeError):
 class RequestState:
     """One engine request as the server sees it. `event` is shared by the requests of one HTTP
     request (its choices), so a handler wakes once for whatever arrived for any of them.
-    `replica`: the engine that runs it, under a DataParallelEngine (request ids are per engine)."""
-    __slots__ = ("request_id", "event", "replica", "new_token_ids", "new_logprobs", "num_tokens", "accepted",
+    `replica`: the engine that runs it, under a DataParallelEngine (request ids are per engine),
+    and `load` its request_load there."""
+    __slots__ = ("request_id", "event", "replica", "load", "new_token_ids", "new_logprobs", "num_tokens", "accepted",
                  "finish_reason", "error", "arrival", "first_token_time", "last_token_time")
 
     def __init__(self, request_id: int, event: asyncio.Event):
-        self.request_id, self.event, self.replica = request_id, event, 0
+        self.request_id, self.event, self.replica, self.load = request_id, event, 0, 0
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[dict[int, float]] = []  # one a new token, when the request asked
         self.num_tokens = 0
@@ -372,7 +373,8 @@ class AsyncEngine:
 class DataParallelEngine:
     """M AsyncEngines (replicas, each possibly tensor-parallel) behind AsyncEngine's interface.
     An HTTP request's engine requests (its prompts and choices, which share its event) all go
-    to the replica with the fewest requests in flight, so its choices share one prefix cache.
+    to one replica, so its choices share one prefix cache: the least loaded by the requests it
+    has in flight (data_parallel.least_loaded, the rule LLM's replicas share).
     While a replica is down (`error` set: /health answers 503, new requests are refused) its
     requests get its error and the others' run to their end; each replica restarts on its own,
     and once one is gone for good, so is the server."""
@@ -434,10 +436,10 @@ class DataParallelEngine:
             raise EngineDeadError(error)
         index = self._replica_of.get(event)
         if index is None:
-            loads = [len(replica.requests) for replica in self.replicas]
-            index = self._replica_of[event] = loads.index(min(loads))
+            loads = [sum(state.load for state in replica.requests.values()) for replica in self.replicas]
+            index = self._replica_of[event] = least_loaded(loads)
         state = self.replicas[index].add(prompt_ids, params, event)
-        state.replica = index
+        state.replica, state.load = index, request_load(len(prompt_ids), params)
         return state
 
     def abort(self, states: list[RequestState]) -> None:

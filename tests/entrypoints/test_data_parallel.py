@@ -1,7 +1,7 @@
 """A server of two engine replicas (--data-parallel-size 2): greedy outputs equal LLM.generate()'s,
 concurrent requests spread over both, an HTTP request's choices share a replica, a client that
 leaves frees its replica's blocks, a killed replica fails its requests and the server's health
-until it is restarted, and no process outlives the server. The dispatch rule itself is checked
+until it is restarted, and no process outlives the server. The balancing rule itself is checked
 without processes; on two GPUs, each replica starts on its own GPU."""
 import asyncio
 import contextlib
@@ -175,7 +175,7 @@ def engine_without_processes(replicas: int):
     return engine
 
 
-def test_each_http_request_goes_to_the_replica_with_fewest_requests_in_flight():
+def test_each_http_request_goes_whole_to_the_least_loaded_replica():
     engine = engine_without_processes(3)
     events = [asyncio.Event() for _ in range(5)]
     # event 0 is a request of two choices, the others of one each
@@ -187,6 +187,16 @@ def test_each_http_request_goes_to_the_replica_with_fewest_requests_in_flight():
                                                       ("abort", [0])]
     assert engine.add([1], None, asyncio.Event()).replica == 0  # now the emptiest
     assert engine.num_waiting == 4
+
+
+def test_a_request_weighs_its_prompt_and_max_tokens():
+    """One long request on replica 0 outweighs two short ones on replica 1, which takes the next."""
+    from nanovllm import SamplingParams
+    engine = engine_without_processes(2)
+    long, short = SamplingParams(max_tokens=1000), SamplingParams(max_tokens=10)
+    states = [engine.add([1] * 100, long, asyncio.Event())] + [engine.add([1] * 10, short, asyncio.Event())
+                                                               for _ in range(2)]
+    assert [s.replica for s in states] == [0, 1, 1]
 
 
 def test_stats_sum_the_replicas():

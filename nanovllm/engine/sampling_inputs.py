@@ -22,8 +22,9 @@ def ranks(params) -> bool:
 
 
 def plain(params) -> bool:
-    """A draw without filters or log-probabilities: the one a CUDA graph may take."""
-    return params.logprobs is None and not ranks(params) and params.min_p <= 0
+    """A draw without filters, log-probabilities or a token bitmask: the one a CUDA graph may take."""
+    return (params.logprobs is None and not ranks(params) and params.min_p <= 0
+            and params.structured_outputs is None)
 
 
 class SamplingInputs:

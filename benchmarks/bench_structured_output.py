@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from nanovllm.engine.structured_outputs import MAX_JSON_WHITESPACE as MAX_WHITESPACE
+
 _ADDRESS = {"type": "object", "properties": {
     "street": {"type": "string"}, "city": {"type": "string"},
     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "country": {"enum": ["US", "CA", "MX"]}},
@@ -105,7 +107,6 @@ SCHEMAS = [
       "recurrence": "weekly"}),
 ]
 
-MAX_WHITESPACE = 4  # the engine's bound on whitespace between JSON tokens
 
 
 def smollm2_tokenizer_dir() -> str:

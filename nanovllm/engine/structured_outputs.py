@@ -20,9 +20,9 @@ import torch
 
 from nanovllm.sampling_params import StructuredOutputsParams
 
-# Whitespace JSON may hold between two tokens: enough for indented output, too little for a
-# model to spend its tokens on spaces.
-MAX_JSON_WHITESPACE = 4
+# Whitespace JSON may hold between two tokens: enough for output indented three levels deep by
+# two spaces, too little for a model to spend its tokens on spaces.
+MAX_JSON_WHITESPACE = 8
 COMPILED_CACHE_SIZE = 256
 _JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": rf"[ \n\t]{{0,{MAX_JSON_WHITESPACE}}}"}
 

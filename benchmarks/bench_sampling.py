@@ -5,9 +5,11 @@
 
 The kernel table: `rows` x `vocab` logits (default 256 x Qwen3's 151,936, float32), each row
 adding a filter to the one above, ending at Qwen3's recommended sampling and more:
-temperature 0.6; + top_k 20; + top_p 0.95; + min_p 0.05; + the chosen token's logprob.
+temperature 0.6; + top_k 20; + top_p 0.95; + min_p 0.05; + the chosen token's logprob; then
+temperature 0.6 and top_k 20 with a token bitmask allowing half the vocabulary, and with
+presence, frequency and repetition penalties (counts of 64 tokens a row, a 256-token prompt).
 Columns: the Triton sampler, the CUDA C++ sampler (built on first use; absent where it cannot
-be), and the sort path (the filters through a sort, as a batch with a top-p row and no top-k
+be, and for the bitmask and penalty rows, which it hands to Triton), and the sort path (the filters through a sort, as a batch with a top-p row and no top-k
 takes). Each figure is the median microseconds of one call (nanovllm.utils.timing.
 benchmark_kernel: CUDA-graph replays) and its multiple of one read of the logits at the copy
 rate measured in this run (nanovllm.utils.timing.device_copy_gbs).
@@ -22,7 +24,8 @@ import statistics
 
 import torch
 
-from nanovllm.kernels import sampling
+from nanovllm.engine.sampling_inputs import pack_token_set
+from nanovllm.kernels import penalties, sampling
 from nanovllm.utils.timing import benchmark_kernel, device_copy_gbs
 
 # (name, keyword arguments of kernels.sample beyond logits, temperatures, seeds)
@@ -30,7 +33,10 @@ ROWS = [("temperature 0.6", dict()),
         ("+ top_k 20", dict(top_ks=20, max_top_k=20)),
         ("+ top_p 0.95", dict(top_ks=20, top_ps=0.95, max_top_k=20)),
         ("+ min_p 0.05", dict(top_ks=20, top_ps=0.95, min_ps=0.05, max_top_k=20)),
-        ("+ logprobs", dict(top_ks=20, top_ps=0.95, min_ps=0.05, max_top_k=20, logprobs=True))]
+        ("+ logprobs", dict(top_ks=20, top_ps=0.95, min_ps=0.05, max_top_k=20, logprobs=True)),
+        ("top_k 20 + bitmask", dict(top_ks=20, max_top_k=20, token_bitmask=True)),
+        ("top_k 20 + penalties", dict(top_ks=20, max_top_k=20, penalties=(0.5, 0.5, 1.1)))]
+EDITS = ("token_bitmask", "penalties")  # rows the CUDA C++ sampler does not take
 
 
 def parse_args():
@@ -53,10 +59,20 @@ def samplers() -> dict:
     return {name: fn for name, fn in found.items() if fn is not None}
 
 
-def row_arguments(rows: int, spec: dict) -> dict:
+def row_arguments(rows: int, vocab: int, spec: dict) -> dict:
     args = {}
     for name, value in spec.items():
-        if name in ("top_ks", "top_ps", "min_ps"):
+        if name == "token_bitmask":  # random words: each token allowed with probability 1/2
+            args[name] = torch.randint(-2**31, 2**31, (rows, -(-vocab // 32)), device="cuda").to(torch.int32)
+        elif name == "penalties":
+            presence, frequency, repetition = (torch.full((rows,), v, device="cuda") for v in value)
+            counts = torch.zeros(rows, vocab, dtype=torch.int32, device="cuda")
+            counts.scatter_(1, torch.randint(0, vocab, (rows, 64), device="cuda"), 1)
+            prompt = torch.stack([pack_token_set(torch.randint(0, vocab, (256,)).tolist(), vocab)
+                                  for _ in range(rows)]).cuda()
+            args[name] = penalties.Penalties(torch.arange(rows, dtype=torch.int32, device="cuda"), presence,
+                                             frequency, repetition, counts, prompt)
+        elif name in ("top_ks", "top_ps", "min_ps"):
             dtype = torch.long if name == "top_ks" else torch.float32
             args[name] = torch.full((rows,), value, dtype=dtype, device="cuda")
         else:
@@ -79,9 +95,12 @@ def kernel_table(args) -> dict:
     found = samplers()
     print(f"{'':18}" + "".join(f"{name:>20}" for name in found))
     for name, spec in ROWS:
-        kwargs = row_arguments(args.rows, spec)
+        kwargs = row_arguments(args.rows, args.vocab, spec)
         line, table["rows"][name] = f"{name:18}", {}
         for sampler, fn in found.items():
+            if sampler == "cuda" and any(edit in spec for edit in EDITS):
+                line += f"{'-':>20}"
+                continue
             us = benchmark_kernel(fn, logits, temperatures, seeds, **kwargs) * 1e3
             table["rows"][name][sampler] = {"us": round(us, 1), "x_read": round(us / read_us, 2)}
             line += f"{us:12.1f} us {us / read_us:4.2f}x"

@@ -1,5 +1,5 @@
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 import numpy as np
@@ -9,6 +9,7 @@ import numpy as np
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # most likely tokens a request may ask log-probabilities of, OpenAI's bound
 MAX_TOP_K = 2**63 - 1  # top_k travels to the sampler in an int64 tensor
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
 
 @dataclass(slots=True)
@@ -67,8 +68,18 @@ class SamplingParams:
     depend on the run or on its batch. logprobs: None asks for none; N in [0, 20] asks, for
     each output token, for the log-probability of the sampled token and of the N most likely
     tokens, under log_softmax(logits / T) with T = 1 for greedy rows (the distribution before
-    top-k, top-p and min-p). structured_outputs: a StructuredOutputsParams (or a dict of its
-    fields) the output must follow, or None.
+    top-k, top-p and min-p, after the penalties, biases and bans below). structured_outputs: a
+    StructuredOutputsParams (or a dict of its fields) the output must follow, or None.
+
+    presence_penalty, frequency_penalty: in [-2, 2]; OpenAI's definition, over the output tokens:
+    logit -= frequency_penalty * count + presence_penalty * (count > 0). repetition_penalty: > 0,
+    1 is off; transformers' definition, over prompt and output tokens: a seen token's logit is
+    divided by it when positive, multiplied when negative (applied before the other two).
+    logit_bias: {token id: bias in [-100, 100]} added to the logits (ids below the vocabulary
+    size: the engine checks). min_tokens: >= 0; EOS and stop_token_ids cannot end the output
+    before this many tokens. bad_words: strings never produced: each is tokenized with and
+    without a leading space; a one-token word is banned, a longer one bans its last token where
+    the output ends with the others.
 
     Every field is checked on construction: a wrong type or range raises ValueError naming
     it. Integer fields take Python or numpy integers, float fields also take integers; bools
@@ -83,6 +94,15 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    # Set by the engine from the tokenizer: bad_words as token ids, and the ids min_tokens holds back.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
+    min_tokens_stop_ids: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # Comparisons written so that NaN fails them.
@@ -116,6 +136,27 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs: must be a StructuredOutputsParams or a dict, "
                              f"got {self.structured_outputs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, _number(name, getattr(self, name)))
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.min_tokens = _integer("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
+                raise ValueError(f"bad_words: must be a list of non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler keeps token counts for the request."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 # Python's bool is an Integral and a Real, refused as both; numpy's bool is neither.
@@ -129,6 +170,21 @@ def _number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ValueError(f"{name}: must be a number, got {value!r}")
     return float(value)
+
+
+def _logit_bias(value) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias: must be a dict of token id -> bias, got {value!r}")
+    bias = {}
+    for token, amount in value.items():
+        token, amount = _integer("logit_bias", token), _number("logit_bias", amount)
+        if token < 0 or not -MAX_LOGIT_BIAS <= amount <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {token}: {amount}")
+        bias[token] = amount
+    return bias
 
 
 def _token_ids(name: str, value) -> list[int]:

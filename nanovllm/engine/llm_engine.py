@@ -72,8 +72,8 @@ class LLMEngine:
         # SamplingParams(**sampling_defaults) serves requests that bring no SamplingParams.
         self.sampling_defaults = sampling_defaults(generation_config) if self.config.generation_config == "auto" else {}
         self.model_runner = ModelRunner(self.config)
-        self.scheduler = Scheduler(self.config, eos_token_ids(self.config, generation_config, self.tokenizer),
-                                   self.model_runner.num_kvcache_blocks)
+        self.eos_token_ids = eos_token_ids(self.config, generation_config, self.tokenizer)
+        self.scheduler = Scheduler(self.config, self.eos_token_ids, self.model_runner.num_kvcache_blocks)
         self._request_ids = itertools.count()
         self._compiler: GrammarCompiler | None = None
         # Outputs of online requests recorded but not yet returned by step(), in order.
@@ -119,7 +119,25 @@ class LLMEngine:
         vocab = self.config.hf_config.vocab_size
         if not all(t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab}), got {params.stop_token_ids}")
-        return dataclasses.replace(params, top_k=-1) if params.top_k >= vocab else params
+        if params.logit_bias and not all(t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {sorted(params.logit_bias)}")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: this model folder has no tokenizer")
+        params = dataclasses.replace(params, top_k=-1 if params.top_k >= vocab else params.top_k)
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
+        if params.min_tokens:
+            params.min_tokens_stop_ids = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+        return params
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens with and without a leading space (vLLM's rule), once each."""
+        found = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def _new_sequence(self, prompt, params: SamplingParams | None) -> Sequence:
         params = self._sampling_params(params)

@@ -22,10 +22,10 @@ from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine import sampler_warmup
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.sampled_tokens import SampledTokens, pack_logprobs
-from nanovllm.engine.sampling_inputs import SamplingInputs
+from nanovllm.engine.sampling_inputs import SamplingInputs, TokenCounts
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.engine.structured_outputs import apply_bitmask, bitmask_words, fill_bitmask
+from nanovllm.engine.structured_outputs import bitmask_words, fill_bitmask
 from nanovllm.engine.worker import WorkerError, Workers, start_ranks, synchronize, wait_for
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
@@ -99,6 +99,7 @@ class ModelRunner:
         self.model = self._build_model()
         self.sampler = Sampler()
         self.noise_rng = random.Random()  # seeds the noise of unseeded requests, from OS entropy
+        self.token_counts = TokenCounts(self.config.hf_config.vocab_size, self.device)  # of penalized requests
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         # A step's samples land in last_tokens on every rank, where the next step's input ids
@@ -326,7 +327,11 @@ class ModelRunner:
         """The forward pass of a prepared step and the tokens of its sample rows (`seqs`, on rank
         0): sampled on rank 0, broadcast from it to the other ranks. Log-probabilities stay on
         rank 0."""
-        sampling = SamplingInputs(seqs, self.config.hf_config.vocab_size, self.noise_rng) if seqs else None
+        sampling = None
+        if seqs:
+            self.token_counts.release_finished()
+            sampling = SamplingInputs(seqs, self.config.hf_config.vocab_size, self.noise_rng, self.token_counts,
+                                      lambda seq: self._last_sample_rows[seq.request_id])
         shape = self.graphs.shape_for(step) if self.graphs else None
         draw_in_graph = shape is not None and self.graphs.draws(shape, step, sampling)
         # the reader of the step launched before, whose tokens constrained rows may wait for
@@ -396,9 +401,9 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, seqs, sampling: SamplingInputs, allowed: torch.Tensor | None = None):
         """-> (token ids [B], packed log-probabilities or None when no row asks). `allowed`:
         the rows' token bitmask, None when no row is constrained."""
+        tensors = sampling.tensors(self._to_device, self.last_tokens)
         if allowed is not None:
-            logits = apply_bitmask(logits, allowed)
-        tensors = sampling.tensors(self._to_device)
+            tensors["token_bitmask"] = allowed
         if all(s.params.logprobs is None for s in seqs):
             return self.sampler(logits, **tensors)[0], None
         top_rows = [row for row, s in enumerate(seqs) if s.params.logprobs]
@@ -434,8 +439,9 @@ class ModelRunner:
         if logits is None:
             return
         vocab = self.config.hf_config.vocab_size
-        draws = [functools.partial(self._sample, logits, [seq], SamplingInputs([seq], vocab, self.noise_rng))
-                 for seq in (Sequence(0, [0], params) for params in sampler_warmup.warmup_params())]
+        counts = TokenCounts(vocab, self.device)  # the warm-up's own: its requests never finish
+        draws = [functools.partial(self._sample, logits, [seq], SamplingInputs([seq], vocab, self.noise_rng, counts))
+                 for seq in (Sequence(i, [0], params) for i, params in enumerate(sampler_warmup.warmup_params()))]
         draws[0]()  # alone: a kernel's first launch sets up its caches
         sampler_warmup.in_parallel(draws[1:], self.device)
         for count in sampler_warmup.SPECIALIZED_COUNTS:

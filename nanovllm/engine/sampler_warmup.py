@@ -20,11 +20,13 @@ def warmup_params() -> list[SamplingParams]:
     variant is its rows' together: whether any row ranks (top-k / top-p), and then the class
     of the largest top-k (kernels.sampling.max_top_k_variants); whether any has min-p; whether
     any asks for log-probabilities. One row of each combination thus reaches every step's
-    variant. The first launches every kernel."""
+    variant. The first launches every kernel. Penalized rows are warmed for the sort-free
+    classes that requests most use (no ranking, top-p, a top-k of 20); others compile on first use."""
     from nanovllm.kernels.sampling import max_top_k_variants  # Triton's: imported only where it serves
     rankings = [dict(top_k=k) for k in max_top_k_variants()] + [dict(top_p=0.5), {}]
+    penalized = [dict(ranking, presence_penalty=0.5) for ranking in (dict(top_k=20), dict(top_p=0.5), {})]
     return [SamplingParams(seed=0, min_p=min_p, logprobs=logprobs, **ranking)
-            for ranking in rankings for min_p in (0.5, 0.0) for logprobs in (1, None)]
+            for ranking in rankings + penalized for min_p in (0.5, 0.0) for logprobs in (1, None)]
 
 
 def in_parallel(calls: list, device: torch.device) -> None:

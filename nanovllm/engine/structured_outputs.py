@@ -156,9 +156,3 @@ def fill_bitmask(constraints: list[Constraint | None], bitmask: torch.Tensor) ->
     for matcher, row in rows:
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
 
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [B, V] with the tokens `bitmask` ([B, words] int32) does not allow at -inf."""
-    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[1]]
-    return logits.masked_fill(~allowed, float("-inf"))

@@ -50,6 +50,9 @@ OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: open also with --ap
 MAX_ECHO = 100  # characters of a request's value an error message repeats
 MAX_ERROR_MESSAGE = 500
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+# SamplingRequest's fields that go to SamplingParams as they are, when set
+SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                   "bad_words")
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "server_error", 503: "server_error"}
@@ -255,7 +258,8 @@ class OpenAIServer:
                                   stop_token_ids=request.stop_token_ids, logprobs=logprobs,
                                   seed=None if request.seed is None else request.seed + seed_offset,
                                   structured_outputs=constraint,
-                                  **{k: v for k, v in sampling.items() if v is not None})
+                                  **{k: v for k, v in sampling.items() if v is not None},
+                                  **{k: getattr(request, k) for k in SAMPLING_FIELDS if getattr(request, k) is not None})
         except ValueError as exc:
             error = bad_request(exc)
             # the request's name for the field: max_completion_tokens, top_logprobs on chat
@@ -278,6 +282,9 @@ class OpenAIServer:
         if stop and self.tokenizer is None:
             raise APIError(400, "stop: this model has no tokenizer to match stop strings with", param="stop")
         check_token_ids(request.stop_token_ids or [], self.engine.info["vocab_size"], "stop_token_ids")
+        check_token_ids(list(request.logit_bias or {}), self.engine.info["vocab_size"], "logit_bias")
+        if request.bad_words and self.tokenizer is None:
+            raise APIError(400, "bad_words: this model has no tokenizer to tokenize them with", param="bad_words")
         if self.max_queue is not None and self.engine.num_waiting >= self.max_queue:
             raise APIError(429, f"{self.engine.num_waiting} requests are already waiting (--max-queue "
                                 f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
@@ -314,7 +321,8 @@ class OpenAIServer:
         for prompt, prompt_params in zip(prompts, params):
             for sp in prompt_params:
                 state = self.engine.add(prompt, sp, event)
-                choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop)))
+                choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop, request.skip_special_tokens,
+                                                                      request.include_stop_str_in_output)))
         try:
             await until_disconnected(raw, self._accepted(choices, event, prompt_param, constraint_field))
         except ClientDisconnected:
@@ -427,6 +435,7 @@ class OpenAIServer:
         """Runs the request's choices and answers with the whole response, or streams it."""
         choices, event = await self.start_choices(request, prompts, chat, raw)
         response_id, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        echoed = [] if chat or not request.echo else self.echo_texts(request, prompts)
         with_ids = request.return_token_ids
         num_logprobs = request.requested_logprobs()[1]
         with_logprobs = num_logprobs is not None
@@ -454,6 +463,8 @@ class OpenAIServer:
             async def deltas():
                 for c in choices if chat else ():  # the first delta of each choice carries the role
                     yield sse(chunk([ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))]))
+                for c in choices if echoed else ():
+                    yield sse(chunk([CompletionChoice(index=c.index, text=echoed[c.index // request.n])]))
                 async for c, delta, token_ids, logprobs in self.generate(choices, event):
                     # every token's ids and log-probabilities are sent, also while its text is held back
                     if delta or c.finish_reason or ((with_ids or with_logprobs) and token_ids):
@@ -461,12 +472,23 @@ class OpenAIServer:
 
             return self.stream(deltas(), choices, request, lambda: chunk([], self.usage(prompts, choices)))
         await self.run_to_end(choices, event, raw)
-        choices_out = [choice_out(c, c.text.text, c.token_ids, c.logprobs, streamed=False) for c in choices]
+        choices_out = [choice_out(c, (echoed[c.index // request.n] if echoed else "") + c.text.text, c.token_ids,
+                                  c.logprobs, streamed=False) for c in choices]
         usage = self.usage(prompts, choices)
         if chat:
             return ChatCompletionResponse(id=response_id, created=created, model=self.model_name,
                                           choices=choices_out, usage=usage)
         return chunk(choices_out, usage)
+
+    def echo_texts(self, request: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text for echo: the string sent, else its token ids decoded."""
+        sent = [request.prompt] if isinstance(request.prompt, str) or isinstance(request.prompt[0], int) \
+            else request.prompt
+        if self.tokenizer is None:
+            return [""] * len(prompts)
+        return [item if isinstance(item, str) else
+                self.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
+                for item, ids in zip(sent, prompts)]
 
     async def run_to_end(self, choices: list[Choice], event: asyncio.Event, raw: Request) -> None:
         try:

@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="write profile_trace.json and profile_report.txt")
     parser.add_argument("--compare-hf", action="store_true", help="also run Hugging Face transformers")
+    parser.add_argument("--penalties", action="store_true",
+                        help="every request with presence, frequency and repetition penalties (draws eagerly)")
     parser.add_argument("--out", default="bench_out", help="folder for the profile and the JSON results")
     args = parser.parse_args(argv)
     if args.data_parallel_size != 1 and args.profile:
@@ -76,8 +78,10 @@ def make_workload(args):
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
                for _ in range(args.num_seqs)]
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1) \
+        if getattr(args, "penalties", False) else {}
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                             max_tokens=random.randint(args.min_output_len, args.max_output_len))
+                             max_tokens=random.randint(args.min_output_len, args.max_output_len), **penalties)
               for _ in range(args.num_seqs)]
     return prompts, params
 

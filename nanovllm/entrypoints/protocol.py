@@ -29,12 +29,11 @@ Text = Annotated[str, AfterValidator(_whole_characters)]
 
 # field -> the values that ask for nothing (some clients send them by default); null is always
 # allowed (it means the field's default).
+# echo: a field of completions; chat's is vLLM's other echo, of the last message.
 UNSUPPORTED_FIELDS = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "min_tokens": (0,), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
     "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "prompt_logprobs": (),
-    "use_beam_search": (False,), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "use_beam_search": (False,), "allowed_token_ids": (), "truncate_prompt_tokens": (),
 }
 # vLLM's older fields, each one StructuredOutputsParams field
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -86,6 +85,17 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     # vLLM's extension: each choice also carries its token ids (the new ones, when streamed).
     return_token_ids: bool = False
+    # Penalties, biases and bans: SamplingParams' fields of the same names (checked there).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[Int64, float] | None = None  # JSON's keys are strings: "50256" -> 50256
+    min_tokens: Int64 | None = None
+    bad_words: list[Text] | None = None
+    # vLLM's: the text of a stop string, EOS or stop token ends the output included; special
+    # tokens' text shown.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # A constraint on the output: at most one of these (structured_output() reads them)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -136,10 +146,13 @@ class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[int] | list[list[int]]  # token ids checked against the vocabulary
     logprobs: Int64 | None = None
     best_of: Int64 | None = None
+    echo: bool = False  # the prompt's text leads each choice's text
 
     def unsupported(self) -> str | None:
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
+        if self.echo and self.logprobs is not None:  # the prompt's log-probabilities are not computed
+            return "echo"
         return super().unsupported()
 
     def requested_logprobs(self) -> tuple[str, int | None]:

@@ -272,7 +272,8 @@ def _require_row_vector(x, logits: torch.Tensor, name: str, kind) -> None:
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, top_ks=None, top_ps=None,
-           min_ps=None, *, max_top_k: int | None = None, logprobs: bool = False):
+           min_ps=None, *, max_top_k: int | None = None, logprobs: bool = False, token_bitmask=None,
+           penalties=None):
     """One token per row of logits [B, V], drawn from softmax(logits / T) restricted by the
     row's filters, without a sort. Tokens rank by logit, ties by lower id. min_ps[i]: keep
     tokens with p >= min_p * p_max (0: off); top_ks[i]: keep the first k ranks (outside
@@ -288,7 +289,14 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     filtered without a sort, above it through one; a row asking for more than the bound keeps
     max_top_k tokens. Returns (tokens int64 [B], logprobs): with `logprobs`, the float32 [B]
     log_softmax(logits / T)[token] of the unfiltered distribution (T = 1 for greedy rows), else
-    None."""
+    None.
+
+    token_bitmask: None, or int32 [B, ceil(V / 32)] whose bit v % 32 of word v // 32 allows token
+    v (xgrammar's and llguidance's layout; an unconstrained row is all ones, -1 words). A
+    disallowed token is a -inf logit for every row kind and for the log-probabilities.
+    penalties: None or a kernels.penalties.Penalties, applied to the logits as they are read;
+    the drawn tokens of its rows are counted in its table. Log-probabilities are of the logits
+    after both."""
     _require_float(logits, "logits")
     _require(logits.dim() == 2, "logits", lambda: f"must be [rows, vocab], got shape {tuple(logits.shape)}")
     _require_row_vector(temperatures, logits, "temperatures", _require_float)
@@ -299,8 +307,15 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
             _require_row_vector(values, logits, name, kind)
     _require(max_top_k is None or (isinstance(max_top_k, int) and max_top_k >= 1), "max_top_k",
              lambda: f"must be a positive int or None, got {max_top_k!r}")
+    if token_bitmask is not None:
+        words = (logits.shape[0], -(-logits.shape[1] // 32))
+        _require(token_bitmask.dtype == torch.int32 and token_bitmask.shape == words, "token_bitmask",
+                 lambda: f"must be int32 of shape {words}, got {token_bitmask.dtype} {tuple(token_bitmask.shape)}")
+        _require(token_bitmask.device == logits.device, "token_bitmask",
+                 lambda: f"device {token_bitmask.device} differs from logits' {logits.device}")
     return implementation("sample", logits.device)(logits, temperatures, seeds, top_ks, top_ps, min_ps,
-                                                   max_top_k, bool(logprobs))
+                                                   max_top_k, bool(logprobs), token_bitmask=token_bitmask,
+                                                   penalties=penalties)
 
 
 def _require_weight(weight: torch.Tensor, k: int) -> None:

@@ -8,7 +8,8 @@ tensors to Triton's interpreter. "triton" never falls back: a call Triton cannot
 
 NANOVLLM_SAMPLER=triton (default) | cuda | torch picks the implementation of `sample` where the
 Triton kernels serve: the Triton kernel, the CUDA C++ one (kernels/cuda; built on first use,
-the Triton one after a warning where it cannot be), or the reference.
+the Triton one after a warning where it cannot be), or the reference. The CUDA C++ sampler
+reads no token bitmask or penalties: calls with them take the Triton kernels.
 
 NANOVLLM_PAGED_DECODE=cuda (default) | triton picks the kernel of paged_attention's unsplit
 decode steps where the CUDA C++ one serves them (kernels/cuda/paged_decode.py; built on first
@@ -127,8 +128,14 @@ def _implementation(op: str, device_type: str):
         from nanovllm.kernels.cuda import sampling as cuda_sampling
         sample = cuda_sampling.sampler()
         if sample is not None:
-            return sample
+            return functools.partial(_sample_routed, sample, importlib.import_module("nanovllm.kernels.sampling").sample)
     module = importlib.import_module(f"nanovllm.kernels.{_TRITON_MODULES[op]}")
     if op == "paged_attention":  # the launcher hands the calls that the CUDA C++ decode kernel serves to it
         return functools.partial(module.paged_attention, cuda_decode=PAGED_DECODE == "cuda")
     return getattr(module, op)
+
+
+def _sample_routed(cuda_sample, triton_sample, *args, token_bitmask=None, penalties=None):
+    if token_bitmask is None and penalties is None:
+        return cuda_sample(*args)
+    return triton_sample(*args, token_bitmask=token_bitmask, penalties=penalties)

@@ -5,6 +5,8 @@ float64 when the input is float64) and the result is cast back to the input's dt
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels import penalties as penalty_ops
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -95,6 +97,20 @@ def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return rotate(q), rotate(k)
 
 
+def allowed_tokens(token_bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] bool from an int32 [B, ceil(vocab / 32)] bitmask: token v is allowed where bit
+    v % 32 of word v // 32 is set (xgrammar's and llguidance's layout)."""
+    bits = torch.arange(32, dtype=torch.int32, device=token_bitmask.device)
+    return ((token_bitmask.int()[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, token_bitmask: torch.Tensor | None) -> torch.Tensor:
+    """The logits with the tokens the bitmask disallows at -inf (a new tensor; `logits` as it is without one)."""
+    if token_bitmask is None:
+        return logits
+    return logits.masked_fill(~allowed_tokens(token_bitmask, logits.shape[1]), float("-inf"))
+
+
 def sampling_mask(logits: torch.Tensor, temperatures: torch.Tensor, top_ks=None, top_ps=None, min_ps=None):
     """[B, V] bool: the tokens each row may draw. Tokens rank by logit, ties by token id (lower
     first). min-p keeps tokens with p >= min_p * p_max under softmax(logits / T); top-k keeps the
@@ -124,13 +140,15 @@ def sampling_mask(logits: torch.Tensor, temperatures: torch.Tensor, top_ks=None,
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, top_ks=None, top_ps=None,
-           min_ps=None, max_top_k=None, logprobs: bool = False):
+           min_ps=None, max_top_k=None, logprobs: bool = False, token_bitmask=None, penalties=None):
     """argmax(logits / T + Gumbel noise) over the tokens sampling_mask keeps, the noise of row i
     drawn from a generator seeded with seeds[i]; argmax(logits) where T == 0. With `logprobs`,
-    also log_softmax(logits / T)[token] (T = 1 for greedy rows). Same distribution as the
-    kernels; the random streams differ. max_top_k only steers the kernels."""
+    also log_softmax(logits / T)[token] (T = 1 for greedy rows). The logits are penalized first,
+    and tokens the bitmask disallows are -inf; the drawn tokens of penalized rows are counted.
+    Same distribution as the kernels; the random streams differ. max_top_k only steers the
+    kernels."""
     dtype = _compute_dtype(logits)
-    x = logits.to(dtype)
+    x = apply_token_bitmask(penalty_ops.apply(logits.to(dtype), penalties), token_bitmask)
     tokens = x.argmax(dim=-1)
     sampled = temperatures > 0
     scale = torch.where(sampled, temperatures, 1).to(dtype)[:, None]
@@ -147,6 +165,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
         # -log(-log(u)), in place; u below 1 by half an ulp so that no noise is +inf
         gumbel = uniforms.clamp_(max=1 - torch.finfo(dtype).eps / 2).log_().neg_().log_().neg_()
         tokens[rows] = (tempered + gumbel).argmax(dim=-1)
+    penalty_ops.record(penalties, tokens)
     if not logprobs:
         return tokens, None
     chosen = (x / scale).log_softmax(dim=-1).gather(1, tokens[:, None]).view(-1)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from nanovllm.kernels import penalties as penalty_ops
 from nanovllm.kernels import reference
 from nanovllm.kernels.interpreter import INTERPRETER
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
@@ -75,6 +76,42 @@ def _token_noise(seed, tokens, NOISE_BLOCK: tl.constexpr, ROUNDS: tl.constexpr, 
 
 
 @triton.jit
+def _load_logits(row_ptr, cols, vocab, row, edits, MASKED: tl.constexpr, PENALIZED: tl.constexpr):
+    """The row's logits at cols in float32 as the draw sees them: -inf past the vocabulary;
+    with PENALIZED, penalized as kernels.penalties.Penalties says where the row has a table
+    row; with MASKED, -inf where the row's token bitmask clears the token's bit (bit col % 32
+    of word col // 32). edits: the kernel's bitmask and penalty arguments (_edit_args)."""
+    bitmask_ptr, bitmask_stride, rows_ptr, presence_ptr, frequency_ptr, repetition_ptr, counts_ptr, prompt_ptr, \
+        prompt_stride = edits
+    live = cols < vocab
+    x = tl.load(row_ptr + cols, mask=live, other=float("-inf")).to(tl.float32)
+    if PENALIZED:
+        table_row = tl.load(rows_ptr + row).to(tl.int64)
+        if table_row >= 0:
+            count = tl.load(counts_ptr + table_row * vocab + cols, mask=live, other=0)
+            words = tl.load(prompt_ptr + table_row * prompt_stride + cols // 32, mask=live, other=0)
+            seen = (count > 0) | (((words >> (cols % 32)) & 1) != 0)
+            repetition = tl.load(repetition_ptr + row)
+            x = tl.where(seen, tl.where(x > 0, x / repetition, x * repetition), x)
+            x = x - tl.load(frequency_ptr + row) * count.to(tl.float32) \
+                - tl.load(presence_ptr + row) * (count > 0).to(tl.float32)
+    if MASKED:
+        words = tl.load(bitmask_ptr + row.to(tl.int64) * bitmask_stride + cols // 32, mask=live, other=0)
+        x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _record_draw(row, token, vocab, edits, PENALIZED: tl.constexpr):
+    """Counts the row's drawn token in its table row, where it has one."""
+    if PENALIZED:
+        rows_ptr, counts_ptr = edits[2], edits[6]
+        table_row = tl.load(rows_ptr + row).to(tl.int64)
+        if table_row >= 0:
+            tl.atomic_add(counts_ptr + table_row * vocab + token, 1)
+
+
+@triton.jit
 def _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
                  HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
     """-> (T, k or 0 when off, top_p, min_p): what the row asks, read the same way everywhere."""
@@ -95,8 +132,10 @@ def _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_pt
 @fast_launch
 @triton.jit
 def _scan_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
-                 best_ptr, index_ptr, max_ptr, sum_ptr, group_max_ptr, num_groups, tile_key_ptr,
-                 HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                 bitmask_ptr, bitmask_stride, penalty_rows_ptr, presence_ptr, frequency_ptr, repetition_ptr,
+                 counts_ptr, prompt_ptr, prompt_stride, best_ptr, index_ptr, max_ptr, sum_ptr, group_max_ptr,
+                 num_groups, tile_key_ptr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+                 HAS_MIN_P: tl.constexpr, MASKED: tl.constexpr, PENALIZED: tl.constexpr,
                  LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, TILE: tl.constexpr, NOISE_BLOCK: tl.constexpr,
                  GROUP: tl.constexpr, ROUNDS: tl.constexpr, U_MAX: tl.constexpr, LOG2E: tl.constexpr,
                  PDL: tl.constexpr):
@@ -112,10 +151,12 @@ def _scan_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top
     within = tl.arange(0, NOISE_BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     cols0, cols1, cols2, cols3 = base + within, base + NOISE_BLOCK + within, base + 2 * NOISE_BLOCK + within, \
         base + 3 * NOISE_BLOCK + within
-    x0 = tl.load(row_ptr + cols0, mask=cols0 < vocab, other=float("-inf")).to(tl.float32)
-    x1 = tl.load(row_ptr + cols1, mask=cols1 < vocab, other=float("-inf")).to(tl.float32)
-    x2 = tl.load(row_ptr + cols2, mask=cols2 < vocab, other=float("-inf")).to(tl.float32)
-    x3 = tl.load(row_ptr + cols3, mask=cols3 < vocab, other=float("-inf")).to(tl.float32)
+    edits = (bitmask_ptr, bitmask_stride, penalty_rows_ptr, presence_ptr, frequency_ptr, repetition_ptr, counts_ptr,
+             prompt_ptr, prompt_stride)
+    x0 = _load_logits(row_ptr, cols0, vocab, row, edits, MASKED, PENALIZED)
+    x1 = _load_logits(row_ptr, cols1, vocab, row, edits, MASKED, PENALIZED)
+    x2 = _load_logits(row_ptr, cols2, vocab, row, edits, MASKED, PENALIZED)
+    x3 = _load_logits(row_ptr, cols3, vocab, row, edits, MASKED, PENALIZED)
     g0, g1, g2, g3 = tl.max(x0, axis=1), tl.max(x1, axis=1), tl.max(x2, axis=1), tl.max(x3, axis=1)
     chunk_max = tl.max(tl.maximum(tl.maximum(g0, g1), tl.maximum(g2, g3)), axis=0)
     slot = row * tl.num_programs(1) + chunk
@@ -184,8 +225,9 @@ def _keep_better(best, best_index, x, cols):
 
 
 @triton.jit
-def _min_p_noisy(row_ptr, cols, vocab, row_max, temperature, floor, scale, u, U_MAX: tl.constexpr):
-    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+def _min_p_noisy(row_ptr, cols, vocab, row, edits, row_max, temperature, floor, scale, u, U_MAX: tl.constexpr,
+                 MASKED: tl.constexpr, PENALIZED: tl.constexpr):
+    x = _load_logits(row_ptr, cols, vocab, row, edits, MASKED, PENALIZED)
     # the row's max is kept where p / p_max is NaN (a +inf max) and where every logit is -inf
     kept = (x == row_max) | (((x - row_max) / temperature >= floor) & (x > float("-inf")))
     return tl.where(kept, x * scale + _gumbel2(u, U_MAX), float("-inf"))
@@ -194,8 +236,10 @@ def _min_p_noisy(row_ptr, cols, vocab, row_max, temperature, floor, scale, u, U_
 @fast_launch
 @triton.jit
 def _min_p_draw_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
-                       best_ptr, index_ptr, max_ptr, num_chunks,
-                       HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, CHUNKS: tl.constexpr,
+                       bitmask_ptr, bitmask_stride, penalty_rows_ptr, presence_ptr, frequency_ptr, repetition_ptr,
+                       counts_ptr, prompt_ptr, prompt_stride, best_ptr, index_ptr, max_ptr, num_chunks,
+                       HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, MASKED: tl.constexpr,
+                       PENALIZED: tl.constexpr, CHUNKS: tl.constexpr,
                        NOISE_BLOCK: tl.constexpr, ROUNDS: tl.constexpr, U_MAX: tl.constexpr,
                        LOG2E: tl.constexpr, PDL: tl.constexpr):
     """The scan's draw again for rows whose only filter is min-p, now that their max is known."""
@@ -212,16 +256,20 @@ def _min_p_draw_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_pt
         scale = LOG2E / temperature
         row_ptr = logits_ptr + row.to(tl.int64) * row_stride
         cols = chunk * 4 * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)
+        edits = (bitmask_ptr, bitmask_stride, penalty_rows_ptr, presence_ptr, frequency_ptr, repetition_ptr,
+                 counts_ptr, prompt_ptr, prompt_stride)
         u0, u1, u2, u3 = tl.rand4x(seed, cols, ROUNDS)
-        x = _min_p_noisy(row_ptr, cols, vocab, row_max, temperature, floor, scale, u0, U_MAX)
-        best, best_index = _keep_better(x, cols, _min_p_noisy(row_ptr, cols + NOISE_BLOCK, vocab, row_max, temperature,
-                                                              floor, scale, u1, U_MAX), cols + NOISE_BLOCK)
-        best, best_index = _keep_better(best, best_index, _min_p_noisy(row_ptr, cols + 2 * NOISE_BLOCK, vocab, row_max,
-                                                                       temperature, floor, scale, u2, U_MAX),
-                                        cols + 2 * NOISE_BLOCK)
-        best, best_index = _keep_better(best, best_index, _min_p_noisy(row_ptr, cols + 3 * NOISE_BLOCK, vocab, row_max,
-                                                                       temperature, floor, scale, u3, U_MAX),
-                                        cols + 3 * NOISE_BLOCK)
+        x = _min_p_noisy(row_ptr, cols, vocab, row, edits, row_max, temperature, floor, scale, u0, U_MAX, MASKED,
+                         PENALIZED)
+        x1 = _min_p_noisy(row_ptr, cols + NOISE_BLOCK, vocab, row, edits, row_max, temperature, floor, scale, u1,
+                          U_MAX, MASKED, PENALIZED)
+        best, best_index = _keep_better(x, cols, x1, cols + NOISE_BLOCK)
+        x2 = _min_p_noisy(row_ptr, cols + 2 * NOISE_BLOCK, vocab, row, edits, row_max, temperature, floor, scale, u2,
+                          U_MAX, MASKED, PENALIZED)
+        best, best_index = _keep_better(best, best_index, x2, cols + 2 * NOISE_BLOCK)
+        x3 = _min_p_noisy(row_ptr, cols + 3 * NOISE_BLOCK, vocab, row, edits, row_max, temperature, floor, scale, u3,
+                          U_MAX, MASKED, PENALIZED)
+        best, best_index = _keep_better(best, best_index, x3, cols + 3 * NOISE_BLOCK)
         top = tl.max(best, axis=0)
         slot = row * num_chunks + chunk
         tl.store(best_ptr + slot, top)
@@ -326,8 +374,9 @@ def _top_groups(group_max_ptr, tile_key_ptr, row, num_groups, gid_row, k, GROUPS
 
 
 @triton.jit
-def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ranked_row, K_PAD: tl.constexpr,
-                   GROUP: tl.constexpr, DIGIT: tl.constexpr):
+def _ranked_tokens(row_ptr, vocab, row, edits, group_row, num_groups, gid_row, chosen, k, ranked_row,
+                   K_PAD: tl.constexpr, GROUP: tl.constexpr, DIGIT: tl.constexpr, MASKED: tl.constexpr,
+                   PENALIZED: tl.constexpr):
     """-> (x, ids) [K_PAD]: the top k tokens of the chosen groups by (logit desc, id asc) first,
     then other tokens of the groups or -inf. The chosen groups' maxima are k tokens at or above
     the least of them, so the top k tokens are among the tokens at or above it: when those are
@@ -342,7 +391,7 @@ def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ra
     floor = tl.min(tl.where(live_slots, _orderable(tl.load(group_row + gids, mask=live_slots & (gids < num_groups),
                                                                    other=float("-inf"))), 0xFFFFFFFF), axis=0)
     ids = gids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = tl.load(row_ptr + ids, mask=live_slots[:, None] & (ids < vocab), other=float("-inf")).to(tl.float32)
+    x = _load_logits(row_ptr, tl.where(live_slots[:, None], ids, vocab), vocab, row, edits, MASKED, PENALIZED)
     live = tl.reshape(tl.broadcast_to(live_slots[:, None], [K_PAD, GROUP]), [K_PAD * GROUP])
     keys = tl.where(live, tl.reshape(_orderable(x), [K_PAD * GROUP]), 0)
     # rank by (logit desc, id asc): one uint64 key, the id's complement below the logit's
@@ -365,9 +414,11 @@ def _ranked_tokens(row_ptr, vocab, group_row, num_groups, gid_row, chosen, k, ra
 @fast_launch
 @triton.jit
 def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
-                     best_ptr, index_ptr, max_ptr, sum_ptr, num_chunks, group_max_ptr, num_groups, tile_key_ptr,
-                     gid_ptr, ranked_ptr, tokens_ptr, logprobs_ptr,
+                     bitmask_ptr, bitmask_stride, penalty_rows_ptr, presence_ptr, frequency_ptr, repetition_ptr,
+                     counts_ptr, prompt_ptr, prompt_stride, best_ptr, index_ptr, max_ptr, sum_ptr, num_chunks,
+                     group_max_ptr, num_groups, tile_key_ptr, gid_ptr, ranked_ptr, tokens_ptr, logprobs_ptr,
                      HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                     MASKED: tl.constexpr, PENALIZED: tl.constexpr,
                      LOGPROBS: tl.constexpr, GROUPS: tl.constexpr, CHUNKS: tl.constexpr,
                      GROUPS_PAD: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr, DIGIT: tl.constexpr,
                      GROUP: tl.constexpr, NOISE_BLOCK: tl.constexpr,
@@ -377,6 +428,8 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
     temperature, top_k, top_p, min_p = _row_filters(row, vocab, temperatures_ptr, top_ks_ptr, top_ps_ptr,
                                                     min_ps_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    edits = (bitmask_ptr, bitmask_stride, penalty_rows_ptr, presence_ptr, frequency_ptr, repetition_ptr, counts_ptr,
+             prompt_ptr, prompt_stride)
     chunks = tl.arange(0, CHUNKS)
     # the first best chunk: its index is that chunk's first best token
     best = tl.load(best_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=float("-inf"))
@@ -390,8 +443,9 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
                                  DIGIT)
             tl.debug_barrier()  # the group ids written above, read back by other threads
             slots = tl.arange(0, K_PAD)
-            x, ids = _ranked_tokens(row_ptr, vocab, group_max_ptr + row.to(tl.int64) * num_groups, num_groups,
-                                    gid_row, chosen, k, ranked_ptr + row * K_PAD, K_PAD, GROUP, DIGIT)
+            x, ids = _ranked_tokens(row_ptr, vocab, row, edits, group_max_ptr + row.to(tl.int64) * num_groups,
+                                    num_groups, gid_row, chosen, k, ranked_ptr + row * K_PAD, K_PAD, GROUP, DIGIT,
+                                    MASKED, PENALIZED)
             z = (x - tl.max(x, axis=0)) / temperature  # log(p / p_max)
             keep = (slots < k) & (x > float("-inf"))
             if HAS_MIN_P:
@@ -414,48 +468,67 @@ def _finalize_kernel(logits_ptr, row_stride, vocab, temperatures_ptr, seeds_ptr,
         row_max = tl.max(maxima, axis=0)
         sums = tl.load(sum_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=0.0)
         weights = tl.where(maxima > float("-inf"), tl.exp2((maxima - row_max) * (LOG2E / t)), 0.0)
-        chosen_logit = tl.load(row_ptr + token).to(tl.float32)
+        chosen_logit = _load_logits(row_ptr, token, vocab, row, edits, MASKED, PENALIZED)
         tl.store(logprobs_ptr + row, (chosen_logit - row_max) / t - tl.log(tl.sum(sums * weights, axis=0)))
+    tl.debug_barrier()  # the chosen token's count read above before it changes
+    _record_draw(row, token, vocab, edits, PENALIZED)
 
 
 class SampleLaunches:
     """The three launches on one row-major [rows, vocab] logits tensor; the CUDA C++ sampler
-    fills the same buffers (kernels/cuda/sampling.py)."""
+    fills the same buffers (kernels/cuda/sampling.py) and takes no `edits` (token bitmask,
+    penalties): dispatch.py routes calls with them here."""
 
-    def scan(self, logits, temperatures, seeds, filters, buffers, logprobs: bool, groups: bool):
+    def scan(self, logits, temperatures, seeds, filters, buffers, logprobs: bool, groups: bool, **edits):
         rows, vocab = logits.shape
         _scan_kernel[(rows, buffers["chunks"])](
-            logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
-            buffers["max"], buffers["sum"], buffers["group_max"], buffers["groups"], buffers["tile_keys"],
-            **_has(filters), LOGPROBS=logprobs, GROUPS=groups, TILE=buffers["tile"], NOISE_BLOCK=noise_block(vocab),
-            GROUP=GROUP, ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8,
-            **dependent_launch(logits.get_device()))
+            logits, logits.stride(0), vocab, temperatures, seeds, *filters, *_edit_args(**edits), buffers["best"],
+            buffers["index"], buffers["max"], buffers["sum"], buffers["group_max"], buffers["groups"],
+            buffers["tile_keys"], **_has(filters), **_edited(**edits), LOGPROBS=logprobs, GROUPS=groups,
+            TILE=buffers["tile"], NOISE_BLOCK=noise_block(vocab), GROUP=GROUP, ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX,
+            LOG2E=LOG2E, num_warps=8, **dependent_launch(logits.get_device()))
 
-    def min_p_draw(self, logits, temperatures, seeds, filters, buffers):
+    def min_p_draw(self, logits, temperatures, seeds, filters, buffers, **edits):
         rows, vocab = logits.shape
         has = _has(filters)
         _min_p_draw_kernel[(rows, buffers["chunks"])](
-            logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
-            buffers["max"], buffers["chunks"], HAS_TOP_K=has["HAS_TOP_K"], HAS_TOP_P=has["HAS_TOP_P"],
-            CHUNKS=next_power_of_2(buffers["chunks"]), NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS,
-            U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8, **dependent_launch(logits.get_device()))
+            logits, logits.stride(0), vocab, temperatures, seeds, *filters, *_edit_args(**edits), buffers["best"],
+            buffers["index"], buffers["max"], buffers["chunks"], HAS_TOP_K=has["HAS_TOP_K"],
+            HAS_TOP_P=has["HAS_TOP_P"], **_edited(**edits), CHUNKS=next_power_of_2(buffers["chunks"]),
+            NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8,
+            **dependent_launch(logits.get_device()))
 
-    def finalize(self, logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad: int):
+    def finalize(self, logits, temperatures, seeds, filters, buffers, tokens, logprobs, k_pad: int, **edits):
         """logprobs: a float32 [rows] output, or None."""
         rows, vocab = logits.shape
         groups, k_pad = k_pad > 0, max(k_pad, 1)
         _finalize_kernel[(rows,)](
-            logits, logits.stride(0), vocab, temperatures, seeds, *filters, buffers["best"], buffers["index"],
-            buffers["max"], buffers["sum"], buffers["chunks"], buffers["group_max"], buffers["groups"],
-            buffers["tile_keys"], buffers["gids"], buffers["ranked"], tokens, logprobs, **_has(filters),
-            LOGPROBS=logprobs is not None, GROUPS=groups, CHUNKS=next_power_of_2(buffers["chunks"]),
-            GROUPS_PAD=next_power_of_2(buffers["groups"]), K_PAD=k_pad, TILE=buffers["tile"], DIGIT=RADIX_BITS,
-            GROUP=GROUP, NOISE_BLOCK=noise_block(vocab), ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E,
-            num_warps=8 if groups else 4, **dependent_launch(logits.get_device()))
+            logits, logits.stride(0), vocab, temperatures, seeds, *filters, *_edit_args(**edits), buffers["best"],
+            buffers["index"], buffers["max"], buffers["sum"], buffers["chunks"], buffers["group_max"],
+            buffers["groups"], buffers["tile_keys"], buffers["gids"], buffers["ranked"], tokens, logprobs,
+            **_has(filters), **_edited(**edits), LOGPROBS=logprobs is not None, GROUPS=groups,
+            CHUNKS=next_power_of_2(buffers["chunks"]), GROUPS_PAD=next_power_of_2(buffers["groups"]), K_PAD=k_pad,
+            TILE=buffers["tile"], DIGIT=RADIX_BITS, GROUP=GROUP, NOISE_BLOCK=noise_block(vocab),
+            ROUNDS=PHILOX_ROUNDS, U_MAX=U_MAX, LOG2E=LOG2E, num_warps=8 if groups else 4,
+            **dependent_launch(logits.get_device()))
 
 
 def noise_block(vocab: int) -> int:
     return min(NOISE_BLOCK, max(GROUP, next_power_of_2(cdiv(vocab, 4))))
+
+
+def _edit_args(token_bitmask=None, penalties=None) -> tuple:
+    """The kernels' bitmask (pointer, row stride) and penalty (rows, presence, frequency,
+    repetition, counts, prompt, prompt's row stride) arguments; None and 0 for those not given."""
+    bitmask = (None, 0) if token_bitmask is None else (token_bitmask, token_bitmask.stride(0))
+    if penalties is None:
+        return (*bitmask, None, None, None, None, None, None, 0)
+    p = penalties
+    return (*bitmask, p.rows, p.presence, p.frequency, p.repetition, p.counts, p.prompt, p.prompt.stride(0))
+
+
+def _edited(token_bitmask=None, penalties=None) -> dict:
+    return dict(MASKED=token_bitmask is not None, PENALIZED=penalties is not None)
 
 
 def _has(filters) -> dict:
@@ -464,23 +537,30 @@ def _has(filters) -> dict:
 
 
 def sample(logits, temperatures, seeds, top_ks=None, top_ps=None, min_ps=None, max_top_k=None, logprobs=False,
-           launches: SampleLaunches = SampleLaunches()):
-    """See kernels.sample."""
+           launches: SampleLaunches = SampleLaunches(), token_bitmask=None, penalties=None):
+    """See kernels.sample. Every launch applies the penalties and the token bitmask where it
+    loads logits; the finalize counts the drawn tokens of penalized rows."""
     filtering = top_ks is not None or top_ps is not None
     bound = logits.shape[1] if max_top_k is None else max_top_k
     if filtering and bound > SORT_FREE_TOP_K:
-        return _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches)
+        return _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches, token_bitmask,
+                              penalties)
     rows = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = rows.shape
     k_pad = next_power_of_2(max(bound, 2)) if filtering else 0  # >= 2: the smallest the sort is tested at on GPUs
     buffers = _buffers(num_rows, vocab, k_pad, rows.device)
     filters = (top_ks, top_ps, min_ps)
-    launches.scan(rows, temperatures, seeds, filters, buffers, logprobs, groups=filtering)
+    edits = {}  # only those given: the CUDA C++ launches take none
+    if token_bitmask is not None:
+        edits["token_bitmask"] = token_bitmask.contiguous()
+    if penalties is not None:
+        edits["penalties"] = penalties
+    launches.scan(rows, temperatures, seeds, filters, buffers, logprobs, groups=filtering, **edits)
     if min_ps is not None:
-        launches.min_p_draw(rows, temperatures, seeds, filters, buffers)
+        launches.min_p_draw(rows, temperatures, seeds, filters, buffers, **edits)
     tokens = torch.empty(num_rows, dtype=torch.int64, device=rows.device)
     chosen = torch.empty(num_rows, dtype=torch.float32, device=rows.device) if logprobs else None
-    launches.finalize(rows, temperatures, seeds, filters, buffers, tokens, chosen, k_pad)
+    launches.finalize(rows, temperatures, seeds, filters, buffers, tokens, chosen, k_pad, **edits)
     return tokens, chosen
 
 
@@ -498,11 +578,14 @@ def _buffers(num_rows: int, vocab: int, k_pad: int, device) -> dict:
                 ranked=empty(num_rows, max(k_pad, 1), dtype=torch.int64))
 
 
-def _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches):
+def _sample_sorted(logits, temperatures, seeds, top_ks, top_ps, min_ps, logprobs, launches, token_bitmask, penalties):
     """Rows may keep more tokens than the sort-free path holds: filter through a sort, then draw
     without filters (greedy rows keep every token, so they still take the argmax)."""
+    if token_bitmask is not None or penalties is not None:
+        logits = reference.apply_token_bitmask(penalty_ops.apply(logits.float(), penalties), token_bitmask)
     keep = reference.sampling_mask(logits, temperatures, top_ks, top_ps, min_ps)
     tokens, _ = sample(logits.float().masked_fill(~keep, float("-inf")), temperatures, seeds, launches=launches)
+    penalty_ops.record(penalties, tokens)
     if not logprobs:
         return tokens, None
     scale = torch.where(temperatures > 0, temperatures, 1).float()[:, None]

@@ -37,6 +37,14 @@ BAD_REQUESTS = {
     "logprobs_above_20": (["Hi"], {"logprobs": 21}, "logprobs"),
     "logprobs_negative": (["Hi"], {"logprobs": -1}, "logprobs"),
     "logprobs_bool": (["Hi"], {"logprobs": True}, "logprobs"),
+    "presence_penalty_above_two": (["Hi"], {"presence_penalty": 2.5}, "presence_penalty"),
+    "frequency_penalty_nan": (["Hi"], {"frequency_penalty": float("nan")}, "frequency_penalty"),
+    "repetition_penalty_zero": (["Hi"], {"repetition_penalty": 0.0}, "repetition_penalty"),
+    "logit_bias_past_vocab": (["Hi"], {"logit_bias": {VOCAB_SIZE: 1.0}}, "logit_bias"),
+    "logit_bias_above_100": (["Hi"], {"logit_bias": {3: 101}}, "logit_bias"),
+    "logit_bias_list": (["Hi"], {"logit_bias": [3]}, "logit_bias"),
+    "min_tokens_negative": (["Hi"], {"min_tokens": -1}, "min_tokens"),
+    "bad_words_string": (["Hi"], {"bad_words": "fox"}, "bad_words"),
 }
 
 GOOD_PROMPTS = ["The quick brown fox", "Numbers such as one, two"]

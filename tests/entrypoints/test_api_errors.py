@@ -69,8 +69,9 @@ def test_missing_and_wrongly_typed_fields(server, path, body, param):
     ("temperature", -0.5), ("temperature", float("inf")), ("top_p", 0), ("top_p", 1.5), ("top_k", 0),
     ("top_k", -2), ("min_p", -0.1), ("min_p", 1.5), ("max_tokens", 0), ("max_tokens", -3), ("n", 0),
     ("n", 10_000), ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", -1),
-    ("echo", True),
-    ("presence_penalty", 0.5), ("best_of", 3),
+    ("best_of", 3), ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"100000": 1}), ("logit_bias", {"x": 1}), ("min_tokens", -1),
+    ("bad_words", "fox"),
 ])
 def test_out_of_range_sampling_values(server, field, value):
     # json.dumps writes inf as Infinity, which httpx's encoder refuses to send.
@@ -97,15 +98,13 @@ def test_top_k_past_int64_is_a_400_and_the_engine_keeps_running(server):
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
-    ("/v1/completions", {**COMPLETION, "repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/completions", {**COMPLETION, "min_tokens": 2}, "min_tokens"),
-    ("/v1/chat/completions", {**CHAT, "skip_special_tokens": False}, "skip_special_tokens"),
-    ("/v1/completions", {**COMPLETION, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix"),
+    ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),  # completions only
+    ("/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search"),
 ])
 def test_unimplemented_fields_are_refused_unless_they_ask_for_nothing(server, path, body, param):
     assert_error(post(server, path, body), 400, param)
-    off = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "min_tokens": 0,
-           "skip_special_tokens": True, "include_stop_str_in_output": False, "tool_choice": "none", "tools": []}
+    off = {"suffix": "", "echo": False, "use_beam_search": False, "tool_choice": "none", "tools": []}
     assert post(server, path, {**body, **off}).status_code == 200
 
 

@@ -113,8 +113,10 @@ def sse(payload) -> str:
 class Choice:
     """One choice of a response: its engine request and its text so far."""
 
-    def __init__(self, index: int, state: RequestState, text: TextStream):
+    def __init__(self, index: int, state: RequestState, text: TextStream, stop_token_ids: set[int]):
         self.index, self.state, self.text = index, state, text
+        # the tokens that end the output by being drawn; a grammar's end finishes it as "stop" too
+        self.stop_token_ids = stop_token_ids
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []  # one a token, when the request asked
         self.text_offset = 0  # summed length of the token strings given log-probabilities so far (completions)
@@ -131,7 +133,8 @@ class Choice:
         self.token_ids += token_ids
         self.logprobs += logprobs
         engine_reason = state.finish_reason
-        delta, stopped = self.text.add(token_ids, final=engine_reason is not None, stop_token=engine_reason == "stop")
+        stop_token = engine_reason == "stop" and bool(self.token_ids) and self.token_ids[-1] in self.stop_token_ids
+        delta, stopped = self.text.add(token_ids, final=engine_reason is not None, stop_token=stop_token)
         if stopped or engine_reason is not None:
             self.finish_reason = "stop" if stopped else engine_reason
         return delta, token_ids, logprobs
@@ -317,12 +320,15 @@ class OpenAIServer:
         params = [[self.sampling_params(request, len(p), i, chat, prompt_param, constraint) for i in range(request.n)]
                   for p in prompts]
         event = asyncio.Event()
+        stop_token_ids = set(request.stop_token_ids or []) | set(() if request.ignore_eos else
+                                                                 self.engine.info["eos_token_ids"])
         choices = []
         for prompt, prompt_params in zip(prompts, params):
             for sp in prompt_params:
                 state = self.engine.add(prompt, sp, event)
                 choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop, request.skip_special_tokens,
-                                                                      request.include_stop_str_in_output)))
+                                                                      request.include_stop_str_in_output),
+                                      stop_token_ids))
         try:
             await until_disconnected(raw, self._accepted(choices, event, prompt_param, constraint_field))
         except ClientDisconnected:

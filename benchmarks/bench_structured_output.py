@@ -3,16 +3,22 @@ real tokenizer (SmolLM2-135M's, 49,152 tokens, from tests/smollm2.py's cached ch
 --tokenizer DIR). CPU only.
 
     python -m benchmarks.bench_structured_output [--tokenizer DIR] [--repeat 3]
+    python -m benchmarks.bench_structured_output --write-model DIR
 
 Per engine: compile time of each schema, cold (no cache; the tokenizer's preprocessing is done
 once, before), as p50 / p99 over the schemas; and the time of one next-token bitmask fill over
 a generation driven by the tokens of a valid instance of each schema (the matcher accepts each
 token, then fills the mask for the next), as mean / p99 over every token of every schema. Both
 engines run with whitespace between JSON tokens bounded, as the engine runs them. Prints one
-JSON object."""
+JSON object.
+
+--write-model DIR: a dummy-weight model folder for bench_serving --json-schema: Qwen3-0.6B's
+config (nanovllm/configs/qwen3-0.6b) with SmolLM2's tokenizer (its ids fit Qwen3's vocabulary;
+the grammar never allows the others), and DIR/bench_schemas.json holding the schemas above."""
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -198,11 +204,23 @@ def measure(engine, tokenizer, repeat: int) -> dict:
             "tokens": tokens_driven}
 
 
+def write_model(out: str) -> None:
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(os.path.join(package, "nanovllm", "configs", "qwen3-0.6b"), out, dirs_exist_ok=True)
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(out)
+    with open(os.path.join(out, "bench_schemas.json"), "w") as f:
+        json.dump([schema for _, schema, _ in SCHEMAS], f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", help="a checkpoint folder with a tokenizer (default: SmolLM2-135M)")
     parser.add_argument("--repeat", type=int, default=3, help="cold compiles of each schema; the least is kept")
+    parser.add_argument("--write-model", metavar="DIR", help="write the model folder for bench_serving and stop")
     args = parser.parse_args()
+    if args.write_model:
+        return write_model(args.write_model)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or smollm2_tokenizer_dir())
     results = {"tokenizer_vocab": len(tokenizer), "schemas": [name for name, _, _ in SCHEMAS],

@@ -53,18 +53,19 @@ def test_guided_choice_and_structured_outputs_regex(client):
     assert re.fullmatch("[A-Z]{3}-[0-9]{2}", completion.choices[0].text)
 
 
-@pytest.mark.parametrize("kwargs, param", [
+@pytest.mark.parametrize("kwargs, param, reason", [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nothing"}}}),
-     "response_format"),
-    (dict(response_format={"type": "json_schema"}), "response_format"),
-    (dict(extra_body={"structured_outputs": {"regex": "a(b"}}), "structured_outputs"),
-    (dict(extra_body={"guided_grammar": 'root ::= "a" missing'}), "guided_grammar"),
-    (dict(extra_body={"structured_outputs": {"choice": ["a"], "regex": "a"}}), "structured_outputs"),
-    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"}), "guided_regex"),
+     "response_format", "cannot be compiled"),
+    (dict(response_format={"type": "json_schema"}), "response_format", "needs a json_schema"),
+    (dict(extra_body={"structured_outputs": {"regex": "a(b"}}), "structured_outputs", "cannot be compiled"),
+    (dict(extra_body={"guided_grammar": 'root ::= "a" missing'}), "guided_grammar", "missing"),
+    (dict(extra_body={"structured_outputs": {"choice": ["a"], "regex": "a"}}), "structured_outputs", "exactly one"),
+    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"}), "guided_regex",
+     "only one output constraint"),
 ])
-def test_bad_constraints_are_400s_naming_the_field(client, kwargs, param):
+def test_bad_constraints_are_400s_naming_the_field(client, kwargs, param, reason):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, **kwargs)
     error = raised.value.body
-    assert error["param"] == param and error["message"].startswith(param), error
+    assert error["param"] == param and error["message"].startswith(param) and reason in error["message"], error
     assert client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2).choices  # still serving

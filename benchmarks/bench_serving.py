@@ -11,7 +11,15 @@ and end-to-end latency (E2EL), mean and p50/p90/p99 in ms.
 
 Several comma-separated rates or concurrencies run one after the other; the results go to
 OUT/bench_serving.json and a plot of latency against the varied setting to OUT/bench_serving.png.
-Output tokens are counted from the usage chunk (stream_options.include_usage)."""
+Output tokens are counted from the usage chunk (stream_options.include_usage).
+
+--json-schema FILE (a JSON schema, or a list of them that the requests take in turn) sends each
+request with response_format json_schema; outputs end where the schema's JSON does. With
+--tokenizer DIR (the served model's folder) the result also holds the schemas' cold compile
+times (engine.structured_outputs.GrammarCompiler, p50 / p99 over --compile-repeats each). The
+server needs a tokenizer in its model folder: for dummy weights, a copy of
+nanovllm/configs/qwen3-0.6b with a tokenizer's files added (benchmarks.bench_structured_output
+--write-model DIR writes one with SmolLM2's tokenizer)."""
 import argparse
 import asyncio
 import json
@@ -43,6 +51,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
     parser.add_argument("--label", default="nanovllm")
     parser.add_argument("--out", default="bench_serving_out")
+    parser.add_argument("--json-schema", help="a JSON file: a schema, or a list of schemas, for response_format")
+    parser.add_argument("--tokenizer", help="with --json-schema: the folder whose tokenizer compiles the schemas")
+    parser.add_argument("--compile-repeats", type=int, default=20)
     args = parser.parse_args(argv)
     args.num_seqs = args.num_prompts  # make_workload's name
     args.rates = [float(r) for r in args.request_rate.split(",")]
@@ -55,9 +66,39 @@ def workload(args) -> list[dict]:
     prompts, params = make_workload(args)
     if args.vocab_size:
         prompts = [[t % args.vocab_size for t in p] for p in prompts]
-    return [{"prompt": p, "max_tokens": sp.max_tokens, "temperature": sp.temperature, "ignore_eos": True,
-             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-            for p, sp in zip(prompts, params)]
+    bodies = [{"prompt": p, "max_tokens": sp.max_tokens, "temperature": sp.temperature, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+              for p, sp in zip(prompts, params)]
+    for i, schema in enumerate(json_schemas(args) * len(bodies)):
+        if i < len(bodies):
+            bodies[i]["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+    return bodies
+
+
+def json_schemas(args) -> list[dict]:
+    if not args.json_schema:
+        return []
+    with open(args.json_schema) as f:
+        schemas = json.load(f)
+    return schemas if isinstance(schemas, list) else [schemas]
+
+
+def compile_times(args) -> dict:
+    """Cold compiles (the cache emptied before each) of every schema, in ms."""
+    from transformers import AutoTokenizer
+
+    from nanovllm.engine.structured_outputs import GrammarCompiler
+    from nanovllm.sampling_params import StructuredOutputsParams
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    times = []
+    for schema in json_schemas(args):
+        for _ in range(args.compile_repeats):
+            compiler._compiled.clear()
+            started = time.perf_counter()
+            compiler.compile(StructuredOutputsParams(json=schema))
+            times.append((time.perf_counter() - started) * 1e3)
+    return {"compile_ms_p50": float(np.percentile(times, 50)), "compile_ms_p99": float(np.percentile(times, 99))}
 
 
 async def send(http: httpx.AsyncClient, body: dict) -> dict:
@@ -216,6 +257,11 @@ def main(argv=None) -> dict:
               "input_len": [args.min_input_len, args.max_input_len],
               "output_len": [args.min_output_len, args.max_output_len], "runs": runs,
               **versions(), "date": time.strftime("%Y-%m-%d")}
+    if args.json_schema:
+        result["json_schema"] = args.json_schema
+        if args.tokenizer:
+            result["grammar"] = compile_times(args)
+            print(json.dumps(result["grammar"]))
     with open(os.path.join(args.out, "bench_serving.json"), "w") as f:
         json.dump(result, f, indent=2)
     plot(runs, os.path.join(args.out, "bench_serving.png"))

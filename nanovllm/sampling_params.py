@@ -18,12 +18,15 @@ class StructuredOutputsParams:
     field is set. json: a JSON schema (dict, or its text); json_object: any JSON object;
     regex: a regular expression; choice: one of these strings; grammar: an EBNF (GBNF)
     grammar. vLLM's names, so its clients' `structured_outputs` carry over. The engine compiles
-    the constraint before the request is queued: one it cannot compile raises ValueError."""
+    the constraint before the request is queued: one it cannot compile raises ValueError.
+    reasoning_end: the constraint starts only once the output contains this text (a reasoning
+    model's end of thinking, e.g. "</think>"); None starts it with the first output token."""
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.json_object, (bool, np.bool_)):
@@ -31,7 +34,7 @@ class StructuredOutputsParams:
         self.json_object = bool(self.json_object)
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured_outputs.json: must be a JSON schema (dict or str), got {self.json!r}")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "reasoning_end"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name}: must be a non-empty string, got {value!r}")

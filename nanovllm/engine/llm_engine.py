@@ -18,6 +18,7 @@ from nanovllm.engine.sampled_tokens import SampledTokens
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.speculative import DraftProposer, Speculator
+from nanovllm.engine.structured_outputs import GrammarCompiler
 from nanovllm.sampling_params import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -79,6 +80,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.config, generation_config, self.tokenizer)
         self.scheduler = Scheduler(self.config, self.eos_token_ids, self.model_runner.num_kvcache_blocks)
         self._request_ids = itertools.count()
+        self._compiler: GrammarCompiler | None = None
         # Outputs of online requests recorded but not yet returned by step(), in order.
         self._undelivered: list[dict] = []
         # Steps launched on the device whose tokens are not recorded yet, oldest first: one stays
@@ -168,7 +170,18 @@ class LLMEngine:
 
     def _new_sequence(self, prompt, params: SamplingParams | None) -> Sequence:
         params = self._sampling_params(params)
-        return Sequence(next(self._request_ids), self._prompt_token_ids(prompt), params)
+        seq = Sequence(next(self._request_ids), self._prompt_token_ids(prompt), params)
+        if params.structured_outputs is not None:
+            seq.constraint = self._grammar_compiler().constraint(params.structured_outputs, seq.num_prompt_tokens)
+        return seq
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first constrained request: reading the vocabulary takes a while."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: this model folder has no tokenizer to build a grammar's token masks")
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size)
+        return self._compiler
 
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
         """Queues one prompt (a string, a list of token ids or a 1-D integer array or tensor);

@@ -25,6 +25,7 @@ from nanovllm.engine.sampled_tokens import SampledTokens, pinned_copy, pack_logp
 from nanovllm.engine.sampling_inputs import SamplingInputs, TokenCounts
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.structured_outputs import bitmask_words, fill_bitmask
 from nanovllm.engine.worker import WorkerError, Workers, start_ranks, synchronize, wait_for
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
@@ -120,6 +121,9 @@ class ModelRunner:
         self._publish_row: int | None = None  # the last launched step's row, None when it sampled nothing
         self._last_logprobs: torch.Tensor | None = None  # rank 0's, packed (pack_logprobs), when rows asked
         self._last_sample_rows: dict[int, int] = {}  # each sampling request's row in last_tokens
+        self._bitmasks: torch.Tensor | None = None  # host buffers of constrained steps' token bitmasks
+        self._bitmask_copies = 0
+        self._bitmask_copied: list[torch.cuda.Event | None] = [None, None]
         if self.device.type == "cuda" and not self.config.enforce_eager and kernels.graph_capturable(self.device):
             self._capture_graphs()
         if self.device.type == "cuda" and kernels.backend_for(self.device) == "triton":
@@ -368,6 +372,8 @@ class ModelRunner:
         shape = self.graphs.shape_for(step) if self.graphs else None
         verifying = step.logit_rows is not None
         draw_in_graph = shape is not None and not verifying and self.graphs.draws(shape, step, sampling)
+        # the reader of the step launched before, whose tokens constrained rows may wait for
+        previous = None if self._publish_row is None else self._readers[self._publish_row]
         self._last_logprobs, self._publish_row = None, None
         row = self._published % 2
         if step.sample_rows and self.rank == 0 and self._readers[row] is not None:
@@ -382,7 +388,11 @@ class ModelRunner:
             if not draw_in_graph:  # else the graph replayed drew and published them
                 graph_logits = self.graphs.logits(shape) if shape else None
                 logits = self._logits(hidden, step, graph_logits)
-                tokens, self._last_logprobs = self._sample(logits, seqs, sampling)
+                # filled on the host while the forward pass runs on the device; a verifying
+                # step's draws are never constrained (speculative.speculates)
+                constrained = not verifying and any(s.constraint for s in seqs)
+                allowed = self._grammar_bitmask(seqs, previous) if constrained else None
+                tokens, self._last_logprobs = self._sample(logits, seqs, sampling, allowed)
                 if verifying:  # more draws than last_tokens holds; the next step waits for them
                     self._draws_host = pinned_copy(tokens) if self.pin else tokens
                     return
@@ -404,9 +414,39 @@ class ModelRunner:
             hidden = hidden[self._to_device(last_rows, torch.long)]
         return self.model.compute_logits(hidden)
 
-    def _sample(self, logits: torch.Tensor, seqs, sampling: SamplingInputs):
-        """-> (token ids [B], packed log-probabilities or None when no row asks)."""
+    def _grammar_bitmask(self, seqs, previous: SampledTokens | None) -> torch.Tensor:
+        """The sampled rows' allowed tokens ([B, words] int32 on the device; all for rows without
+        a constraint). Each constraint first accepts the tokens it has not seen; the last may be
+        in flight, sampled by the step before: only then does this wait for that step."""
+        for seq in seqs:
+            if seq.constraint is None:
+                continue
+            unseen = seq.token_ids[seq.constraint.position:]
+            if unseen and unseen[-1] == PLACEHOLDER:
+                unseen[-1] = previous.tolist()[self._last_sample_rows[seq.request_id]]
+            seq.constraint.accept(unseen)
+        if self._bitmasks is None:  # pinned: the copy to the device does not wait for it
+            words = bitmask_words(self.config.hf_config.vocab_size)
+            self._bitmasks = torch.empty(2, self.config.max_num_seqs, words, dtype=torch.int32, pin_memory=self.pin)
+        # Two buffers taken in turn; one is written again only once its copy has left it.
+        slot = self._bitmask_copies % 2
+        if self._bitmask_copied[slot] is not None:
+            self._bitmask_copied[slot].synchronize()
+        host = self._bitmasks[slot, :len(seqs)]
+        fill_bitmask([seq.constraint for seq in seqs], host)
+        allowed = host.to(self.device, non_blocking=True)
+        if self.pin:
+            self._bitmask_copied[slot] = torch.cuda.Event()
+            self._bitmask_copied[slot].record()
+        self._bitmask_copies += 1
+        return allowed
+
+    def _sample(self, logits: torch.Tensor, seqs, sampling: SamplingInputs, allowed: torch.Tensor | None = None):
+        """-> (token ids [B], packed log-probabilities or None when no row asks). `allowed`:
+        the rows' token bitmask, None when no row is constrained."""
         tensors = sampling.tensors(self._to_device, self.last_tokens)
+        if allowed is not None:
+            tensors["token_bitmask"] = allowed
         if all(s.params.logprobs is None for s in seqs):
             return self.sampler(logits, **tensors)[0], None
         top_rows = [row for row, s in enumerate(seqs) if s.params.logprobs]

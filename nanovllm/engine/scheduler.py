@@ -219,6 +219,8 @@ class Scheduler:
         token = seq.token_ids[position]
         if not seq.params.ignore_eos and token in self.eos_token_ids or token in seq.params.stop_token_ids:
             return "stop"
+        if seq.constraint is not None and seq.constraint.ends_at(seq.token_ids, position):
+            return "stop"  # the grammar is complete: nothing but EOS could follow
         return "length" if self._ends_by_length(seq, position) else None
 
     def _ends_by_length(self, seq: Sequence, position: int) -> bool:

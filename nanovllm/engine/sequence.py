@@ -38,6 +38,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] | None = None if params.logprobs is None else []
+        # structured_outputs.Constraint, set by the engine where params.structured_outputs asks
+        self.constraint = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -37,7 +37,7 @@ from nanovllm.entrypoints.protocol import (AssistantMessage, ChatChoice, ChatChu
                                            CompletionResponse, Delta, DetokenizeRequest, ErrorInfo, ErrorResponse,
                                            ModelCard, ModelList, SamplingRequest, TokenizeRequest, TokenLogprob, Usage,
                                            new_id)
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
 # A completion request without max_tokens gets OpenAI's default; a chat request gets the room
@@ -89,6 +89,15 @@ def bad_request(exc: ValueError, param: str | None = None) -> APIError:
     return APIError(400, message, param=param or (field if field and field.isidentifier() else None))
 
 
+def constraint_error(exc: ValueError, field: str) -> APIError:
+    """A 400 for an output constraint that StructuredOutputsParams or the engine refused (its
+    message names structured_outputs), naming the request's field instead."""
+    message = str(exc)
+    if message.startswith("structured_outputs"):
+        message = f"{field}:{message.split(':', 1)[1]}"
+    return APIError(400, message, param=field)
+
+
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     """Token ids are checked before they reach a tensor (an id past int64 would overflow it)."""
     for token_id in token_ids:
@@ -104,8 +113,10 @@ def sse(payload) -> str:
 class Choice:
     """One choice of a response: its engine request and its text so far."""
 
-    def __init__(self, index: int, state: RequestState, text: TextStream):
+    def __init__(self, index: int, state: RequestState, text: TextStream, stop_token_ids: set[int]):
         self.index, self.state, self.text = index, state, text
+        # the tokens that end the output by being drawn; a grammar's end finishes it as "stop" too
+        self.stop_token_ids = stop_token_ids
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []  # one a token, when the request asked
         self.text_offset = 0  # summed length of the token strings given log-probabilities so far (completions)
@@ -122,7 +133,8 @@ class Choice:
         self.token_ids += token_ids
         self.logprobs += logprobs
         engine_reason = state.finish_reason
-        delta, stopped = self.text.add(token_ids, final=engine_reason is not None, stop_token=engine_reason == "stop")
+        stop_token = engine_reason == "stop" and bool(self.token_ids) and self.token_ids[-1] in self.stop_token_ids
+        delta, stopped = self.text.add(token_ids, final=engine_reason is not None, stop_token=stop_token)
         if stopped or engine_reason is not None:
             self.finish_reason = "stop" if stopped else engine_reason
         return delta, token_ids, logprobs
@@ -229,7 +241,7 @@ class OpenAIServer:
 
     # --- generation -------------------------------------------------------------------------
     def sampling_params(self, request: SamplingRequest, prompt_len: int, seed_offset: int, chat: bool,
-                        prompt_param: str) -> SamplingParams:
+                        prompt_param: str, constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """The engine's parameters for one choice. max_tokens is clamped to the room the prompt
         leaves in max_model_len; a prompt that leaves none is rejected."""
         max_model_len = self.engine.info["max_model_len"]
@@ -248,6 +260,7 @@ class OpenAIServer:
             return SamplingParams(max_tokens=min(max_tokens, room), ignore_eos=request.ignore_eos,
                                   stop_token_ids=request.stop_token_ids, logprobs=logprobs,
                                   seed=None if request.seed is None else request.seed + seed_offset,
+                                  structured_outputs=constraint,
                                   **{k: v for k, v in sampling.items() if v is not None},
                                   **{k: getattr(request, k) for k in SAMPLING_FIELDS if getattr(request, k) is not None})
         except ValueError as exc:
@@ -280,24 +293,44 @@ class OpenAIServer:
                                 f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
         return stop
 
+    def constraint(self, request: SamplingRequest) -> tuple[str | None, StructuredOutputsParams | None]:
+        """(the field that asks, its StructuredOutputsParams) of the request's output constraint."""
+        try:
+            asked = request.structured_output()
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        if asked is None:
+            return None, None
+        field, arguments = asked
+        if self.tokenizer is None:
+            raise APIError(400, f"{field}: this model has no tokenizer to build a grammar's token masks", param=field)
+        try:
+            return field, StructuredOutputsParams(**arguments)
+        except ValueError as exc:
+            raise constraint_error(exc, field) from None
+
     async def start_choices(self, request: SamplingRequest, prompts: list[list[int]], chat: bool,
                             raw: Request) -> tuple[list[Choice], asyncio.Event]:
         """Queues one engine request per prompt and choice and waits until the engine accepted
         them all; on any error (or a client gone meanwhile) none is left running."""
         self.check_ready()  # again: the engine may have died while the prompt was tokenized
         stop = self.check_request(request)
+        constraint_field, constraint = self.constraint(request)
         prompt_param = "messages" if chat else "prompt"
-        params = [[self.sampling_params(request, len(p), i, chat, prompt_param) for i in range(request.n)]
+        params = [[self.sampling_params(request, len(p), i, chat, prompt_param, constraint) for i in range(request.n)]
                   for p in prompts]
         event = asyncio.Event()
+        stop_token_ids = set(request.stop_token_ids or []) | set(() if request.ignore_eos else
+                                                                 self.engine.info["eos_token_ids"])
         choices = []
         for prompt, prompt_params in zip(prompts, params):
             for sp in prompt_params:
                 state = self.engine.add(prompt, sp, event)
                 choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop, request.skip_special_tokens,
-                                                                      request.include_stop_str_in_output)))
+                                                                      request.include_stop_str_in_output),
+                                      stop_token_ids))
         try:
-            await until_disconnected(raw, self._accepted(choices, event, prompt_param))
+            await until_disconnected(raw, self._accepted(choices, event, prompt_param, constraint_field))
         except ClientDisconnected:
             self.finish(choices)
             raise
@@ -308,9 +341,12 @@ class OpenAIServer:
         return choices, event
 
     @staticmethod
-    async def _accepted(choices: list[Choice], event: asyncio.Event, prompt_param: str) -> None:
+    async def _accepted(choices: list[Choice], event: asyncio.Event, prompt_param: str,
+                        constraint_field: str | None) -> None:
         while not all(c.state.accepted for c in choices):
             for c in choices:
+                if isinstance(c.state.error, ValueError) and str(c.state.error).startswith("structured_outputs"):
+                    raise constraint_error(c.state.error, constraint_field or "structured_outputs")
                 if isinstance(c.state.error, ValueError):
                     raise bad_request(c.state.error, prompt_param if str(c.state.error).startswith("prompt") else None)
                 if c.state.error is not None:

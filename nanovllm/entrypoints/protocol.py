@@ -32,10 +32,33 @@ Text = Annotated[str, AfterValidator(_whole_characters)]
 # echo: a field of completions; chat's is vLLM's other echo, of the last message.
 UNSUPPORTED_FIELDS = {
     "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "response_format": ({"type": "text"},), "prompt_logprobs": (),
+    "function_call": ("none",), "prompt_logprobs": (),
     "use_beam_search": (False,), "allowed_token_ids": (), "truncate_prompt_tokens": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
+# vLLM's older fields, each one StructuredOutputsParams field
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+class JsonSchemaFormat(BaseModel):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")  # OpenAI's default: any JSON value
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` (StructuredOutputsParams' fields, checked by it)."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | Text | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
 
 
 class StreamOptions(BaseModel):
@@ -73,6 +96,13 @@ class SamplingRequest(BaseModel):
     # tokens' text shown.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # A constraint on the output: at most one of these (structured_output() reads them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -88,6 +118,28 @@ class SamplingRequest(BaseModel):
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
+
+    def structured_output(self) -> tuple[str, dict] | None:
+        """(the field that asks, StructuredOutputsParams' arguments) of the request's constraint,
+        None when it has none. ValueError naming the field when two fields ask, or when
+        response_format is json_schema without a json_schema."""
+        asked = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                asked.append(("response_format", {"json_object": True}))
+            elif fmt.json_schema is None:
+                raise ValueError("response_format: type json_schema needs a json_schema")
+            else:
+                asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(exclude_none=True)
+            asked.append(("structured_outputs", {"json" if k == "json_" else k: v for k, v in fields.items()}))
+        asked += [(name, {field: getattr(self, name)}) for name, field in GUIDED_FIELDS.items()
+                  if getattr(self, name) is not None]
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1][0]}: only one output constraint may be given, and {asked[0][0]} is one")
+        return asked[0] if asked else None
 
 
 class CompletionRequest(SamplingRequest):

@@ -20,6 +20,7 @@ __all__ = [
     "sample", "small_batch_linear", "linear", "norm_linear", "embed_norm_linear", "linear_act", "act_linear",
     "GEMV_MAX_ROWS",
     "staged_values", "staged_length", "stage_inputs", "publish_tokens", "STAGE_SLOT_MIN",
+    "moe_topk", "moe_align", "fused_moe",
 ]
 # Sets: membership in a tuple compares dtypes one by one, several times slower.
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -536,3 +537,58 @@ def publish_tokens(tokens: torch.Tensor, last: torch.Tensor, host_slots: torch.T
              lambda: f"must be int64 [2, >= {n}]")
     _require(parity.dtype == torch.int32 and parity.numel() == 1, "parity", "must be one int32")
     implementation("publish_tokens", tokens.device)(tokens, last, host_slots, parity)
+
+
+def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """A mixture-of-experts router's choice for each row of router_logits [T, E]: softmax over
+    the experts, the top_k most probable (ties: the lowest expert id first), divided by their
+    sum with `renormalize`. -> (float32 weights, int32 expert ids), [T, top_k] each."""
+    _require_float(router_logits, "router_logits")
+    _require(router_logits.dim() == 2 and router_logits.stride(1) == 1, "router_logits",
+             lambda: f"must be [tokens, experts] with unit stride, got shape {tuple(router_logits.shape)}")
+    _require(isinstance(top_k, int) and 1 <= top_k <= router_logits.shape[1], "top_k",
+             lambda: f"must be an int in [1, {router_logits.shape[1]}], got {top_k!r}")
+    return implementation("moe_topk", router_logits.device)(router_logits, top_k, bool(renormalize))
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The (token, k) slots of topk_ids [T, k] sorted by expert (slot order kept), each expert's
+    run padded with T * k to a multiple of block_m, in a buffer sized for the worst case;
+    and each block's expert, -1 past the last run. Shapes depend on T, k, num_experts and
+    block_m only (CUDA-graph safe). -> (int32 sorted slots, int32 block experts)."""
+    _require_index(topk_ids, "topk_ids", 2)
+    _require(isinstance(num_experts, int) and num_experts >= 1, "num_experts", "must be a positive int")
+    _require(isinstance(block_m, int) and block_m >= 16 and block_m & (block_m - 1) == 0, "block_m",
+             lambda: f"must be a power of two >= 16, got {block_m!r}")
+    return implementation("moe_align", topk_ids.device)(topk_ids, num_experts, block_m)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The routed experts of a mixture-of-experts layer: for x [T, H], experts' gate above up
+    w13 [E, 2I, H] and down w2 [E, H, I], sum_j topk_weights[t, j] * w2[e] act(gate) * up of
+    expert e = topk_ids[t, j]. Ids must lie in [0, E): the kernels read the weights they name
+    unchecked (moe_topk's are). Returns [T, H] in x's dtype."""
+    _require_moe_operands(x, w13, w2)
+    _require_activation(activation)
+    _require_index(topk_ids, "topk_ids", 2)
+    _require(topk_ids.shape[0] == x.shape[0], "topk_ids", "must have one row per token of x")
+    _require(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32
+             and topk_weights.shape == topk_ids.shape, "topk_weights",
+             lambda: f"must be float32 of topk_ids' shape {tuple(topk_ids.shape)}")
+    return implementation("fused_moe", x.device)(x, w13, w2, topk_weights.contiguous(), topk_ids.contiguous(),
+                                                 activation)
+
+
+def _require_moe_operands(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    _require(isinstance(x, torch.Tensor) and x.dtype in _GEMV_DTYPES and x.dim() == 2, "x",
+             "must be a float16, bfloat16 or float32 [tokens, hidden] tensor")
+    for name, w in (("w13", w13), ("w2", w2)):
+        _require_float(w, name)
+        _require(w.dim() == 3 and w.dtype == x.dtype and w.device == x.device, name,
+                 lambda: f"must be [experts, N, K] of x's dtype and device, got {tuple(w.shape)} {w.dtype}")
+    experts, gate_up, hidden = w13.shape
+    _require(hidden == x.shape[1] and gate_up % 2 == 0, "w13",
+             lambda: f"shape {tuple(w13.shape)} must be [experts, 2 * intermediate, {x.shape[1]}]")
+    _require(w2.shape == (experts, hidden, gate_up // 2), "w2",
+             lambda: f"shape {tuple(w2.shape)} must be ({experts}, {hidden}, {gate_up // 2})")

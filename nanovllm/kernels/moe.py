@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.activation import activate
+from nanovllm.kernels.interpreter import INTERPRETER
 from nanovllm.kernels.reference import max_row_blocks
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 from nanovllm.kernels.tiling import cdiv, next_power_of_2
@@ -134,7 +135,7 @@ def _gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_experts_ptr, route_wei
                  n_slots, N, K, a_stride, w_stride_e, w_stride_n, out_stride,
                  ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr, WEIGHTED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 PDL: tl.constexpr):
+                 UPCAST: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] for the slots of one row block and BLOCK_N features, through the block's
     expert's weight w[e] ([N, K], or [2N, K] gate above up when GATED: act(gate) * up). Row
     `slot` of the output reads row slot // ROWS_PER_A of a (the token of the slot, for gate_up;
@@ -159,10 +160,13 @@ def _gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_experts_ptr, route_wei
         k_ok = k < K - k_start
         a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & feature_ok[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, input_precision=DOT_PRECISION)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if UPCAST:  # the interpreter has no bf16 arithmetic (its dot of bf16 operands is garbage)
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             up = tl.load(w_ptrs + N * w_stride_n, mask=w_mask, other=0.0)
-            acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, up.to(a.dtype), acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if GATED:
@@ -219,12 +223,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 def _grouped_gemm(a, w, out, sorted_slots, block_experts, route_weights, n_slots, n_out, config, rows_per_a,
                   activation=None):
     block_m, block_n, block_k, warps, stages = config
+    upcast = INTERPRETER and a.dtype == torch.bfloat16
     grid = (block_experts.shape[0] * cdiv(n_out, block_n),)
     _gemm_kernel[grid](
         a, w, out, sorted_slots, block_experts, route_weights, n_slots, n_out, w.shape[2], a.stride(0), w.stride(0),
         w.stride(1), out.stride(0), ROWS_PER_A=rows_per_a, GATED=activation is not None,
         ACTIVATION=activation or "silu", WEIGHTED=route_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=warps,
+        BLOCK_K=block_k, DOT_PRECISION="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        num_warps=warps,
         num_stages=stages, **dependent_launch(a.get_device()))
 
 

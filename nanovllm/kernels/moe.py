@@ -26,12 +26,12 @@ from nanovllm.kernels.tiling import cdiv, next_power_of_2
 # (largest token count, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the two GEMMs; the
 # first row whose bound holds. Decode batches give each expert a few rows: a 16-row tile wastes
 # least of the weight read, which bounds those steps; prefill tiles grow to reuse each weight
-# tile across more rows.
+# tile across more rows once the experts' runs are long enough to fill them.
 GEMM_CONFIGS = (
-    (32, 16, 64, 128, 4, 4),
-    (256, 32, 64, 64, 4, 4),
+    (256, 16, 64, 128, 4, 4),
     (1024, 64, 64, 64, 4, 4),
-    (None, 64, 128, 64, 4, 3),
+    (2048, 64, 128, 64, 4, 3),
+    (None, 128, 128, 64, 8, 3),
 )
 _ALIGN_CHUNK = 1024  # (token, k) slots a program of _align sorts
 _TOPK_TOKENS = 16  # tokens a program of moe_topk routes

@@ -142,14 +142,17 @@ def weight_bytes(model, batch: int | None = None) -> int:
 
 # --- decode steps ------------------------------------------------------------------------
 def seat(llm, batch: int, context: int, max_tokens: int) -> list[Sequence]:
-    """`batch` running sequences of `context` tokens whose first context - 1 are in the cache."""
+    """`batch` running sequences of `context` tokens whose first context - 1 are in the cache.
+    Each ends in a token of its own, so the sequences decode different tokens: a mixture of
+    experts routes them as a batch of distinct requests, not as one."""
     scheduler = llm.scheduler
     rng = random.Random(context)
-    prompt = [rng.randrange(min(10000, llm.config.hf_config.vocab_size)) for _ in range(context)]
+    vocab = min(10000, llm.config.hf_config.vocab_size)
+    prompt = [rng.randrange(vocab) for _ in range(context - 1)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seqs = []
     for _ in range(batch):
-        seq = Sequence(next(_request_ids), prompt, params)
+        seq = Sequence(next(_request_ids), prompt + [rng.randrange(vocab)], params)
         if scheduler.block_manager.admit(seq, context) != context:
             raise RuntimeError(f"no KV blocks for a {context}-token sequence")
         seq.num_computed_tokens = context - 1

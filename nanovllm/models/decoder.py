@@ -27,7 +27,7 @@ class DecoderOptions:
     qk_norm: bool = False  # RMSNorm of each q and k head before rotation (Qwen3)
     unit_offset_norms: bool = False  # norms scale by 1 + weight (Gemma)
     embed_scale: float | None = None  # embeddings times this, rounded to the model's dtype (Gemma)
-    # (config, layer index) -> that layer's MLP where it is not the dense gated one (mixtures of experts)
+    # (config, layer index) -> that layer's MLP, None where it is the dense gated one (mixtures of experts)
     mlp: Callable[[ModelConfig, int], nn.Module] | None = None
 
 
@@ -60,10 +60,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
         self.self_attn = DecoderAttention(config, options, rotary_emb)
-        self.mlp = options.mlp(config, layer_idx) if options.mlp is not None else None
-        if self.mlp is None:
-            self.mlp = CustomGatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                                      bias=config.mlp_bias)
+        mlp = options.mlp(config, layer_idx) if options.mlp is not None else None
+        if mlp is None:  # the dense gated MLP
+            mlp = CustomGatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)
 

@@ -3,12 +3,11 @@ expert id), the alignment's sorted slots and block experts, and the grouped GEMM
 with experts that get no token, every token on one expert and more experts than tokens."""
 import pytest
 import torch
-from kernel_testing import TARGETS, assert_close, capture_and_replay, poison_allocator, randn, require_triton
+from kernel_testing import (FP32_INTERPRETER_AND_GPU, TARGETS, assert_close, capture_and_replay, poison_allocator,
+                            randn, require_triton)
 
 from nanovllm import kernels
 from nanovllm.kernels import reference
-
-INTERPRETER_FP32 = [TARGETS[0], *TARGETS[2:]]
 
 
 def _valid_rows(block_experts: torch.Tensor, block_m: int) -> int:
@@ -42,7 +41,7 @@ def test_topk_matches_float64(device, dtype, tokens, experts, top_k, renormalize
     assert torch.allclose(weights.double(), expected_weights, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("device,dtype", INTERPRETER_FP32)
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
 def test_topk_ties_pick_the_lowest_expert(device, dtype):
     """Equal logits (equal probabilities) rank by expert id; torch.topk leaves their order open."""
     require_triton(device)
@@ -55,7 +54,7 @@ def test_topk_ties_pick_the_lowest_expert(device, dtype):
     assert torch.allclose(weights[0], torch.full((4,), 0.25, device=device))
 
 
-@pytest.mark.parametrize("device,dtype", INTERPRETER_FP32)
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
 @pytest.mark.parametrize("case", ["spread", "one_expert", "few_tokens", "several_chunks"])
 def test_align_matches_reference(device, dtype, case, monkeypatch):
     require_triton(device)
@@ -87,7 +86,7 @@ def test_fused_moe_matches_float64(device, dtype, tokens, experts, top_k, hidden
     assert_close(out, reference.fused_moe(x.double(), w13.double(), w2.double(), weights, ids), dtype)
 
 
-@pytest.mark.parametrize("device,dtype", INTERPRETER_FP32)
+@pytest.mark.parametrize("device,dtype", FP32_INTERPRETER_AND_GPU)
 def test_fused_moe_all_tokens_on_one_expert(device, dtype):
     """One expert's run spans several row blocks; the other experts' weights are never read
     (NaN there would show)."""

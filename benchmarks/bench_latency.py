@@ -345,7 +345,7 @@ def main():
     result = {
         "model": os.path.basename(os.path.normpath(config_dir)), "dtype": str(runner.dtype),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "copy_gbs": copy_gbs, "gemv": kernels.gemv_enabled,
+        "copy_gbs": copy_gbs, "gemv": kernels.dispatch.gemv_enabled,
         "pdl": os.environ.get("NANOVLLM_PDL", "1") != "0",
         "cuda_graphs": bool(runner.graphs), "kv_block_size": args.block_size, "kv_blocks": runner.num_kvcache_blocks,
         "max_model_len": llm.config.max_model_len, "weight_bytes": weights, "kv_bytes_per_key": kv_per_key,

@@ -11,6 +11,8 @@ from nanovllm.models.model_config import DTYPES, ModelConfig
 
 # Without a GPU the cache gets this many bytes unless num_kvcache_blocks says otherwise.
 CPU_KV_CACHE_BYTES = 2 << 30
+# kv_cache_dtype -> the cache's element type; "auto" takes the model's dtype.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 @dataclass(slots=True)
 class Config:
@@ -29,9 +31,11 @@ class Config:
     enforce_eager: bool = False
     load_format: str = "auto"
     generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json
+    kv_cache_dtype: str = "auto"  # "fp8" (e4m3, docs/attention.md#fp8-kv-cache) or "auto": the model's dtype
     hf_config: ModelConfig = field(init=False)
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
+    torch_kv_cache_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
         if not os.path.isdir(self.model):
@@ -41,6 +45,7 @@ class Config:
         self.torch_device = resolve_device(self.device)
         self._check_parallel()
         self.torch_dtype = self._resolve_dtype()
+        self.torch_kv_cache_dtype = KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
     def _check_ranges(self) -> None:
@@ -57,6 +62,9 @@ class Config:
             raise ValueError(f"load_format: must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config: must be 'auto' or 'none', got {self.generation_config!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
 
     def _check_parallel(self) -> None:
         """Heads and MLP features split evenly across ranks (none is replicated); each rank of

@@ -13,14 +13,16 @@ class LLM(LLMEngine):
     LLM(model_dir, device="auto", dtype="auto", max_num_seqs=256, max_num_batched_tokens=8192,
         max_model_len=4096, tensor_parallel_size=1, data_parallel_size=1, kvcache_block_size=128,
         num_kvcache_blocks=-1, gpu_memory_utilization=0.9, enable_prefix_caching=True,
-        enforce_eager=False, load_format="auto", generation_config="auto")
+        enforce_eager=False, load_format="auto", generation_config="auto", kv_cache_dtype="auto")
 
     device "auto" takes CUDA when present, else the CPU. dtype "auto" keeps the checkpoint's
     dtype (fp32 checkpoints run in bf16 on a GPU). The KV cache takes gpu_memory_utilization of
     the GPU after a warm-up step that measures peak activation memory; on the CPU it takes
     num_kvcache_blocks blocks, or by default 2 GiB (nanovllm.config.CPU_KV_CACHE_BYTES), never
     more than max_num_seqs full-length sequences need. load_format="dummy" fills the weights
-    with random values from config.json alone.
+    with random values from config.json alone. kv_cache_dtype="fp8" (or "fp8_e4m3") stores the
+    KV cache as float8 e4m3 with the checkpoint's per-layer k_scale/v_scale, else 1.0
+    (docs/attention.md#fp8-kv-cache); "auto" keeps the model's dtype.
 
     Length: prompt + output <= max_model_len. A prompt of max_model_len tokens or more leaves
     no room for output and is rejected (ValueError naming `prompt`); a shorter one ends with

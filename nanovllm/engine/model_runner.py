@@ -31,7 +31,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models import MODEL_REGISTRY
 from nanovllm.sampling_params import MAX_LOGPROBS
 from nanovllm.utils.context import reset_context, set_context
-from nanovllm.utils.loader import init_dummy_weights, load_model
+from nanovllm.utils.loader import init_dummy_weights, kv_cache_scales, load_model
 
 # What a closed runner keeps: the settings and its ranks' handle, no tensor.
 _KEPT_WHEN_CLOSED = {"config", "rank", "tp_size", "device", "dtype", "closed", "workers"}
@@ -67,6 +67,7 @@ class ModelRunner:
         self.config, self.rank = config, rank
         self.tp_size = config.tensor_parallel_size
         self.device, self.dtype = config.torch_device, config.torch_dtype  # "cuda": this rank's GPU
+        self.kv_cache_dtype = config.torch_kv_cache_dtype
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.pin = self.device.type == "cuda"
@@ -99,6 +100,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.noise_rng = random.Random()  # seeds the noise of unseeded requests, from OS entropy
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self._set_kv_cache_scales()
         self.num_kvcache_blocks = self._allocate_kv_cache()
         # A step's samples land in last_tokens on every rank, where the next step's input ids
         # that wait for them are read; rank 0 also publishes them to the host in a row of
@@ -162,9 +164,20 @@ class ModelRunner:
         _drop_weight_loaders(model)
         return model.eval()
 
+    def _set_kv_cache_scales(self) -> None:
+        """A float8 cache takes the checkpoint's per-tensor scales, where it has them (else 1.0)."""
+        if self.kv_cache_dtype.itemsize != 1 or self.config.load_format == "dummy":
+            return
+        for index, scales in kv_cache_scales(self.config.model).items():
+            if index >= len(self.attention_layers):
+                raise ValueError(f"model: checkpoint has KV scales of layer {index}, the model "
+                                 f"{len(self.attention_layers)} attention layers")
+            layer = self.attention_layers[index]
+            layer.k_scale, layer.v_scale = scales.get("k", 1.0), scales.get("v", 1.0)
+
     def block_bytes(self) -> int:
         hf = self.config.hf_config
-        per_token = 2 * hf.num_hidden_layers * self.num_kv_heads * hf.head_dim * self.dtype.itemsize
+        per_token = 2 * hf.num_hidden_layers * self.num_kv_heads * hf.head_dim * self.kv_cache_dtype.itemsize
         return per_token * self.block_size
 
     @property
@@ -194,7 +207,7 @@ class ModelRunner:
     def _bind_kv_cache(self, num_blocks: int) -> None:
         hf = self.config.hf_config
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, self.num_kv_heads, hf.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 

@@ -33,8 +33,8 @@ from nanovllm.layers.custom_mlp import resolve_activation
 __all__ = ["SwapReport", "swap_layers", "restore_layers"]
 
 # Class-name prefix -> the transformers module defining that family's layers.
-_FAMILIES = {"Qwen3Moe": modeling_qwen3_moe, "Qwen3": modeling_qwen3, "Qwen2": modeling_qwen2, "Llama": modeling_llama, "Mistral": modeling_mistral,
-             "Gemma": modeling_gemma}
+_FAMILIES = {"Qwen3Moe": modeling_qwen3_moe, "Qwen3": modeling_qwen3, "Qwen2": modeling_qwen2, "Llama": modeling_llama,
+             "Mistral": modeling_mistral, "Gemma": modeling_gemma}
 # Instance attribute marking a swapped module; holds the _Swap that its forward reads.
 _STATE = "_nanovllm_swap"
 

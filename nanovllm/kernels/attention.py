@@ -17,6 +17,7 @@ from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fas
 from nanovllm.kernels.tiling import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
+FP16_MAX = tl.constexpr(65504.0)
 # Splitting aims at this many working programs per SM: one program's loads in flight while
 # another computes, and long splits, few partials (more splits measured slower:
 # docs/rejected.md).
@@ -133,9 +134,22 @@ def _attend_kv_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, kv
 
 
 @triton.jit
+def fp8_cache_products(q, PRODUCTS_FP16: tl.constexpr):
+    """Query rows in the dtype of the products over a float8 cache: q's own, but fp16 for bf16
+    queries, saturated to its range (exact below it): e4m3 tiles upcast to fp16 in one
+    instruction a pair of values and to bf16 in four, which bounded the decode kernels."""
+    if PRODUCTS_FP16:
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _softmax_step(acc, m_i, l_i, q, k, v, pos, row_first, row_limit, qk_scale, MASKED: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr):
-    """The online-softmax update with the key tile k, v at key positions `pos`."""
+    """The online-softmax update with the key tile k, v at key positions `pos`. Tiles of a
+    float8 cache are upcast to q's dtype here, in registers (other caches' are q's already)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     # The scale goes into the exponent as one fused multiply-add per score (exp2 and that FMA
     # are the softmax's per-score work); m is kept in scaled units (qk_scale > 0).
@@ -188,7 +202,7 @@ def _pair_and_tile(PAIRS_PER_GROUP: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, min_partition, num_splits, window,
+    qk_scale, v_scale, min_partition, num_splits, window,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
     stride_btr, stride_btc,
@@ -196,7 +210,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, KV_PACK: tl.constexpr, PRELOAD: tl.constexpr,
-    PREFETCH_NEXT: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr, KV_FP8: tl.constexpr, PRODUCTS_FP16: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, query tile, KV split). Its BLOCK_M rows are (query row,
     query head) pairs of the GQA group of one kv head, row-major, so each K/V tile loaded
@@ -210,7 +224,9 @@ def _paged_attention_kernel(
     head's keys, and its output is stored from those columns. With PRELOAD (decode, unsplit,
     no window, heads of 64 or less), the first key tile below the step's own keys is loaded
     before the wait: earlier steps wrote it; with PREFETCH_NEXT too (tiles spanning several
-    cache blocks), the next tile's rows are requested into L2 at the same point."""
+    cache blocks), the next tile's rows are requested into L2 at the same point. With KV_FP8
+    the products take q's dtype (fp16 for bf16 queries: PRODUCTS_FP16), qk_scale holds the key
+    scale and v_scale scales the output."""
     pair, tile = _pair_and_tile(PAIRS_PER_GROUP)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -312,7 +328,10 @@ def _paged_attention_kernel(
     else:
         q = _load_rows(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                        row_mask, d_mask, True, PAD_D)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if KV_FP8:
+        q = fp8_cache_products(q, PRODUCTS_FP16)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     # m starts finite so that a row whose first tiles are all masked gets exp2(-inf - m) = 0, not NaN.
     m_i = tl.zeros([BLOCK_M], tl.float32) - 1.0e30
@@ -343,6 +362,8 @@ def _paged_attention_kernel(
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     acc = acc / l_safe[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     store_mask = row_mask[:, None] & d_mask[None, :]
     if SPLIT:
         split_row = split_rows(token, head, num_splits, NUM_KV_HEADS * GROUP)
@@ -472,9 +493,17 @@ def keys_read(block_tables, block_size: int, sliding_window: int | None, max_seq
     return min(max_kv, sliding_window + max_seqlen_q - 1) if sliding_window else max_kv
 
 
+def dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The dtype of the kernels' products: the cache's, or over a float8 cache, whose tiles are
+    upcast in registers, q's (fp16 for bf16 queries: fp8_cache_products)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return k_cache.dtype
+    return torch.float16 if q.dtype == torch.bfloat16 else q.dtype
+
+
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
-                    sliding_window: int | None = None, num_splits: int | None = None,
-                    config: TileConfig | None = None, cuda_decode: bool = False):
+                    sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    num_splits: int | None = None, config: TileConfig | None = None, cuda_decode: bool = False):
     """See nanovllm.kernels.paged_attention. Beyond it: `num_splits` forces the KV split count
     (1: none) and `config` the Triton tiles; `cuda_decode` whether unsplit decode steps that
     kernels/cuda/paged_decode serves run that CUDA C++ kernel (dispatch.py passes what
@@ -489,7 +518,8 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
     forced_config = config
-    config = config or default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, block_size=block_size)
+    dtype = dot_dtype(q, k_cache)
+    config = config or default_config(head_dim, group, max_seqlen_q, dtype, q.device, block_size=block_size)
     q_tiles = cdiv(max_seqlen_q * group, config.block_m)
     if q_tiles > _MAX_GRID_YZ:
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} query rows need {q_tiles} tiles, over the grid limit")
@@ -497,7 +527,7 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     max_kv = keys_read(block_tables, block_size, sliding_window, max_seqlen_q)
     splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
     if forced_config is None and splits > 1:  # a deeper pipeline, maybe wider key tiles
-        config = default_config(head_dim, group, max_seqlen_q, k_cache.dtype, q.device, True, block_size)
+        config = default_config(head_dim, group, max_seqlen_q, dtype, q.device, True, block_size)
         # partitions are multiples of the key tile the kernel runs
         splits, min_partition = split_plan(programs, max_kv, config.block_n, q.device, num_splits)
     cuda_decode = cuda_decode and forced_config is None and num_splits is None
@@ -506,19 +536,19 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
     if ext:
         from nanovllm.kernels.cuda import paged_decode
         return paged_decode.paged_decode(ext, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                                         dependent_launch(q.get_device())["PDL"])
+                                         k_scale, v_scale, dependent_launch(q.get_device())["PDL"])
     kv_pack = _kv_heads_packed(k_cache, v_cache, num_heads, max_seqlen_q, num_seqs, splits)
     if kv_pack > 1:
         k_cache, v_cache = (cache.view(*cache.shape[:2], 1, kv_pack * head_dim) for cache in (k_cache, v_cache))
         num_kv_heads, group, head_dim = 1, num_heads, kv_pack * head_dim
-        config = forced_config or default_config(head_dim, group, 1, k_cache.dtype, q.device, block_size=block_size)
+        config = forced_config or default_config(head_dim, group, 1, dtype, q.device, block_size=block_size)
         q_tiles = cdiv(group, config.block_m)
     block_d = padded_head_dim(head_dim)
     preload = max_seqlen_q == 1 and splits == 1 and not sliding_window and block_d <= _PRELOAD_MAX_HEAD_DIM
     if preload and forced_config is None:
         config = config._replace(num_stages=_PRELOAD_STAGES)
     launch = functools.partial(
-        _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal,
+        _launch_attention, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * k_scale, v_scale, causal,
         sliding_window or 0, (num_seqs * num_kv_heads, q_tiles, splits), min_partition, block_d, kv_pack, preload)
     shape_class = (q.device, q.dtype, k_cache.dtype, head_dim, group, num_kv_heads, block_size, bool(causal),
                    bool(sliding_window), kv_pack)
@@ -607,14 +637,15 @@ def _kv_descriptors(k_cache, v_cache, config: TileConfig, block_d: int):
     return TensorDescriptor(k_cache, shape, strides, tile), TensorDescriptor(v_cache, shape, strides, tile)
 
 
-def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal, window: int, grid,
-                      min_partition, block_d, kv_pack: int, preload: bool, config: TileConfig, out, lse,
+def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, v_scale, causal, window: int,
+                      grid, min_partition, block_d, kv_pack: int, preload: bool, config: TileConfig, out, lse,
                       split: bool) -> None:
+    """`scale`: the softmax scale times the key scale."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config, block_d)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_desc, v_desc, out, lse, cu_seqlens_q, seq_lens, block_tables,
-        scale * LOG2E, min_partition, grid[2], window,
+        scale * LOG2E, v_scale, min_partition, grid[2], window,
         *q.stride(), *(out.stride() if not split else (0, 0, 0)),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_PACK=kv_pack,
@@ -622,5 +653,7 @@ def _launch_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         PREFETCH_NEXT=preload and config.block_n > k_cache.shape[1] and not INTERPRETER,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=k_cache.shape[1],
         CAUSAL=bool(causal), SPLIT=split, USE_TMA=k_desc is not None, PAIRS_PER_GROUP=PAIRS_PER_GROUP,
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", WINDOW=window > 0,
+        DOT_PRECISION="ieee" if dot_dtype(q, k_cache) == torch.float32 else "tf32", WINDOW=window > 0,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        PRODUCTS_FP16=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.get_device()))

@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.attention import (LOG2E, keys_read, kv_rows, merge_splits, padded_head_dim, paged_attention,
-                                        split_plan, split_rows)
+from nanovllm.kernels.attention import (LOG2E, dot_dtype, fp8_cache_products, keys_read, kv_rows, merge_splits,
+                                        padded_head_dim, paged_attention, split_plan, split_rows)
+from nanovllm.kernels.kv_cache import inverse_scale, to_cache
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 from nanovllm.kernels.qk_norm_rope import norm_rope, qk_norm_rope_store
 from nanovllm.kernels.tiling import next_power_of_2
@@ -76,7 +77,9 @@ def _key_tile(block_table_row, k_head_ptr, v_head_ptr, start, first_key, cached_
 def _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale, DOT_PRECISION: tl.constexpr,
                  MASKED: tl.constexpr):
     """One online-softmax step; q, K and V in halves along the head dimension (the pairs rotary
-    mixes), so the rotated query needs no reassembly. Only MASKED tiles read `visible`."""
+    mixes), so the rotated query needs no reassembly. Only MASKED tiles read `visible`. A
+    float8 cache's tiles are upcast to q's dtype (other caches' are q's already)."""
+    k1, k2, v1, v2 = k1.to(q1.dtype), k2.to(q1.dtype), v1.to(q1.dtype), v2.to(q1.dtype)
     qk = tl.dot(q1, tl.trans(k1), tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION),
                 input_precision=DOT_PRECISION)
     if MASKED:
@@ -97,18 +100,21 @@ def _attend_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, visible, qk_scale
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_mapping_ptr,
     k_cache_ptr, v_cache_ptr, partial_ptr, lse_ptr, seq_lens_ptr, block_tables_ptr,
-    eps, qk_scale, min_partition, num_splits, window,
+    eps, qk_scale, k_inv_scale, v_inv_scale, v_scale, min_partition, num_splits, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kb, stride_kt_cache, stride_kh_cache, stride_vb, stride_vt_cache, stride_vh_cache,
     stride_btr, stride_btc,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-    WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PRODUCTS_FP16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (sequence x kv head, 1, split): the grid and partial layout of paged attention's
     split decode. Token t is sequence t's one query; its key, at position seq_len - 1, is not
     in the cache yet. Rows are the GQA group's query heads. Writes the normalised partial
-    output and its log2-sum-exp for _merge_splits_kernel."""
+    output and its log2-sum-exp for _merge_splits_kernel. With KV_FP8 the products take q's
+    dtype (fp16 for bf16 queries: PRODUCTS_FP16), qk_scale holds the key scale, and the step's
+    key and value are scored as the cache holds them."""
     pair = tl.program_id(0)
     seq = pair // NUM_KV_HEADS
     kv_head = pair % NUM_KV_HEADS
@@ -156,6 +162,9 @@ def _decode_attention_kernel(
 
     dtype = q_ptr.dtype.element_ty
     cache_dtype = k_cache_ptr.dtype.element_ty
+    products_dtype = cache_dtype
+    if KV_FP8:
+        products_dtype = tl.float16 if PRODUCTS_FP16 else dtype
     # The split that holds the step's key (the last with keys: new_key >= lo, as lo < hi) loads
     # it with the query, one round trip for both, and writes it to the cache before its tiles:
     # no program reads that slot.
@@ -168,14 +177,18 @@ def _decode_attention_kernel(
     k_new1, k_new2 = _head_halves(k_ptr + token * stride_kt, same_head * stride_kh, new_rows, cols, half)
     v_new1, v_new2 = _head_halves(v_ptr + token * stride_vt, same_head * stride_vh, new_rows, cols, half)
     q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
-    # rounded as the unfused path stores the rotated q, then reads it in the cache's dtype
-    q1 = q1.to(dtype).to(cache_dtype)
-    q2 = q2.to(dtype).to(cache_dtype)
+    # rounded as the unfused path stores the rotated q, then reads it in the products' dtype
+    if KV_FP8:
+        q1 = fp8_cache_products(q1.to(dtype), PRODUCTS_FP16)
+        q2 = fp8_cache_products(q2.to(dtype), PRODUCTS_FP16)
+    else:
+        q1 = q1.to(dtype).to(products_dtype)
+        q2 = q2.to(dtype).to(products_dtype)
     k_new1, k_new2 = norm_rope(k_new1, k_new2, k_weight_ptr, cos, sin, half, eps, cols, HAS_NORM, dtype)
-    k_new1 = k_new1.to(dtype).to(cache_dtype)
-    k_new2 = k_new2.to(dtype).to(cache_dtype)
-    v_new1 = v_new1.to(cache_dtype)
-    v_new2 = v_new2.to(cache_dtype)
+    k_new1 = to_cache(k_new1.to(dtype), k_inv_scale, cache_dtype)
+    k_new2 = to_cache(k_new2.to(dtype), k_inv_scale, cache_dtype)
+    v_new1 = to_cache(v_new1, v_inv_scale, cache_dtype)
+    v_new2 = to_cache(v_new2, v_inv_scale, cache_dtype)
     # int32 division, int64 products: block * stride exceeds 2^31 elements in large caches
     block, offset = (slot // BLOCK_SIZE).to(tl.int64), (slot % BLOCK_SIZE).to(tl.int64)
     # one row stored: the [rows, half] pointers all address it, masked to row 0
@@ -220,24 +233,30 @@ def _decode_attention_kernel(
         m_new = tl.maximum(m_i, score)
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(score - m_new)
-        # p in V's dtype, as the tile step's second dot takes it
-        p_v = p.to(cache_dtype).to(tl.float32)[:, None]
+        # p in the products' dtype, as the tile step's second dot takes it
+        p_v = p.to(products_dtype).to(tl.float32)[:, None]
         acc1 = acc1 * alpha[:, None] + p_v * v_new1.to(tl.float32)
         acc2 = acc2 * alpha[:, None] + p_v * v_new2.to(tl.float32)
         l_i = l_i * alpha + p
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    acc1 = acc1 / l_safe[:, None]
+    acc2 = acc2 / l_safe[:, None]
+    if KV_FP8:
+        acc1 = acc1 * v_scale
+        acc2 = acc2 * v_scale
     out_first = partial_ptr + split_row[:, None] * HEAD_DIM + cols[None, :]
     out_mask = row_mask[:, None] & (cols < half)[None, :]
-    tl.store(out_first, acc1 / l_safe[:, None], mask=out_mask)
-    tl.store(out_first + half, acc2 / l_safe[:, None], mask=out_mask)
+    tl.store(out_first, acc1, mask=out_mask)
+    tl.store(out_first + half, acc2, mask=out_mask)
     tl.store(lse_ptr + split_row, tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf")), mask=row_mask)
 
 
 def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, cu_seqlens_q,
                            seq_lens, block_tables, max_seqlen_q, scale, sliding_window=None, q_weight=None,
-                           k_weight=None, eps: float = 1e-6, num_splits: int | None = None):
+                           k_weight=None, eps: float = 1e-6, k_scale: float = 1.0, v_scale: float = 1.0,
+                           num_splits: int | None = None):
     """See nanovllm.kernels.qk_norm_rope_attention. `num_splits` forces the KV split count (tests,
     benchmarks): a decode step whose forced count split_plan keeps above one takes the fused
     kernel, others the two kernels."""
@@ -245,24 +264,24 @@ def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, 
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
     if max_seqlen_q == 1 and num_tokens == num_seqs > 0:
-        block_n = _block_n(head_dim, k_cache.dtype, q.device)
+        block_n = _block_n(head_dim, dot_dtype(q, k_cache), q.device)
         max_kv = keys_read(block_tables, block_size, sliding_window, max_seqlen_q)
         splits, min_partition = split_plan(num_seqs * num_kv_heads, max_kv, block_n, q.device, num_splits,
                                            min_keys=block_n)
         if splits >= (2 if num_splits else _MIN_SPLITS):
             return _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens,
-                           block_tables, scale, sliding_window or 0, q_weight, k_weight, eps, splits, min_partition,
-                           block_n)
+                           block_tables, scale, sliding_window or 0, q_weight, k_weight, eps, k_scale, v_scale,
+                           splits, min_partition, block_n)
     q = qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight,
-                           eps)
+                           eps, k_scale=k_scale, v_scale=v_scale)
     return paged_attention(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
                            block_tables=block_tables, max_seqlen_q=max_seqlen_q, scale=scale,
-                           sliding_window=sliding_window, num_splits=num_splits)
+                           sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits)
 
 
 def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens, block_tables, scale,
-            window: int, q_weight, k_weight, eps: float, splits: int, min_partition: int,
-            block_n: int) -> torch.Tensor:
+            window: int, q_weight, k_weight, eps: float, k_scale: float, v_scale: float, splits: int,
+            min_partition: int, block_n: int) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -276,12 +295,15 @@ def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, s
     _decode_attention_kernel[(num_tokens * num_kv_heads, 1, splits)](
         q, k, v, positions.contiguous(), cos_sin, q_weight.contiguous() if has_norm else cos_sin,
         k_weight.contiguous() if has_norm else cos_sin, slot_mapping.contiguous(), k_cache, v_cache, partial, lse,
-        seq_lens, block_tables, float(eps), scale * LOG2E, min_partition, splits, window,
+        seq_lens, block_tables, float(eps), scale * k_scale * LOG2E, inverse_scale(k_scale), inverse_scale(v_scale),
+        v_scale, min_partition, splits, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *block_tables.stride(),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_HALF=block_half,
         BLOCK_M=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
-        WINDOW=window > 0, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        WINDOW=window > 0, DOT_PRECISION="ieee" if dot_dtype(q, k_cache) == torch.float32 else "tf32",
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        PRODUCTS_FP16=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **dependent_launch(q.get_device()))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     merge_splits(partial, lse, out, padded_head_dim(head_dim))

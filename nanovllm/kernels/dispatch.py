@@ -12,7 +12,10 @@ the Triton one after a warning where it cannot be), or the reference.
 
 NANOVLLM_PAGED_DECODE=cuda (default) | triton picks the kernel of paged_attention's unsplit
 decode steps where the CUDA C++ one serves them (kernels/cuda/paged_decode.py; built on first
-use, the Triton kernel after a warning where it cannot be)."""
+use, the Triton kernel after a warning where it cannot be).
+
+NANOVLLM_GEMV=1 (default) | 0: whether `linear` and its fused variants send small CUDA batches
+to the Triton small-batch GEMV (kernels/linear_ops.py says which), or every batch to cuBLAS."""
 import functools
 import importlib
 import os
@@ -89,6 +92,7 @@ SAMPLER = _requested_sampler()
 PAGED_DECODE = _requested_paged_decode()
 TRITON_UNAVAILABLE_REASON = None if REQUESTED_BACKEND == "torch" else _triton_unavailable_reason()
 KERNELS_AVAILABLE = REQUESTED_BACKEND != "torch" and TRITON_UNAVAILABLE_REASON is None
+gemv_enabled = KERNELS_AVAILABLE and os.environ.get("NANOVLLM_GEMV", "1") != "0"
 _warned_fallback = False
 
 
@@ -107,6 +111,14 @@ def backend_for(device: torch.device | str) -> str:
         _warn_fallback_once(TRITON_UNAVAILABLE_REASON or f"tensors on {device}")
         return "torch"
     return "triton"
+
+
+def graph_capturable(device: torch.device | str, sampling: bool = False) -> bool:
+    """Whether the kernels on `device` run without host synchronisation (CUDA-graph safe);
+    with `sampling`, `sample` too: the Triton sampler, the one tested under capture (the
+    reference's draws synchronise)."""
+    return (torch.device(device).type == "cuda" and backend_for(device) == "triton"
+            and (not sampling or SAMPLER == "triton"))
 
 
 def _warn_fallback_once(reason: str) -> None:

@@ -95,8 +95,28 @@ def _interpret_masks_as_bool() -> None:
     InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = masked_load, masked_store
 
 
+def _interpret_fp8_stores_as_torch() -> None:
+    """Triton's interpreter rounds to float8 e4m3 without carrying into the exponent (126 -> 64)
+    and flushes its subnormals; the GPU rounds to nearest even, as torch does, which converts
+    there instead."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+            return convert(self, src, dst_type, rounding_mode)
+        fp8 = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
+        return TensorHandle(fp8.view(torch.uint8).numpy(), dst_type.scalar)
+
+    convert = InterpreterBuilder.create_fp_to_fp
+    InterpreterBuilder.create_fp_to_fp = fp_to_fp
+
+
 if INTERPRETER:
     _interpret_masks_as_bool()
+    _interpret_fp8_stores_as_torch()
 enabled = os.environ.get("NANOVLLM_FAST_LAUNCH", "1") != "0"
 SUPPORTED = not changed_internals()
 dependent_launch_enabled = os.environ.get("NANOVLLM_PDL", "1") != "0"

@@ -33,6 +33,8 @@ GEMM_CONFIGS = (
     (2048, 64, 128, 64, 4, 3),
     (None, 128, 128, 64, 8, 3),
 )
+# fused_moe's activation names (act_linear's) -> activate's
+_ACTIVATIONS = {"silu": "silu", "gelu": "none", "gelu_tanh": "tanh"}
 _ALIGN_CHUNK = 1024  # (token, k) slots a program of _align sorts
 _TOPK_TOKENS = 16  # tokens a program of moe_topk routes
 
@@ -228,10 +230,9 @@ def _grouped_gemm(a, w, out, sorted_slots, block_experts, route_weights, n_slots
     _gemm_kernel[grid](
         a, w, out, sorted_slots, block_experts, route_weights, n_slots, n_out, w.shape[2], a.stride(0), w.stride(0),
         w.stride(1), out.stride(0), ROWS_PER_A=rows_per_a, GATED=activation is not None,
-        ACTIVATION=activation or "silu", WEIGHTED=route_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_PRECISION="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-        num_warps=warps,
-        num_stages=stages, **dependent_launch(a.get_device()))
+        ACTIVATION=_ACTIVATIONS[activation or "silu"], WEIGHTED=route_weights is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION="ieee" if a.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast, num_warps=warps, num_stages=stages, **dependent_launch(a.get_device()))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

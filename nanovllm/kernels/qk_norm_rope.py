@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.kv_cache import inverse_scale, to_cache
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 from nanovllm.kernels.tiling import cdiv, next_power_of_2, num_warps, rows_per_program
 
@@ -54,9 +55,9 @@ def _qk_norm_rope_store_kernel(
     q_ptr, q_token_stride, q_head_stride, k_ptr, k_token_stride, k_head_stride,
     v_ptr, v_token_stride, v_head_stride, positions_ptr, cos_sin_ptr, cos_sin_stride,
     q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, kc_block_stride, kc_offset_stride, kc_head_stride,
-    v_cache_ptr, vc_block_stride, vc_offset_stride, vc_head_stride, n_tokens, q_heads, kv_heads, half, block_size,
-    q_part_heads, HAS_NORM: tl.constexpr, Q_PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
+    v_cache_ptr, vc_block_stride, vc_offset_stride, vc_head_stride, k_inv_scale, v_inv_scale, n_tokens, q_heads,
+    kv_heads, half, block_size, q_part_heads, HAS_NORM: tl.constexpr, Q_PARTS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous_kernel(PDL)
     part = tl.program_id(0) % (Q_PARTS + 2)
@@ -83,13 +84,14 @@ def _qk_norm_rope_store_kernel(
                                       half, BLOCK_HK, BLOCK_HALF)
             r1, r2 = _rotated(k1, k2, mask, tokens, in_range, positions_ptr, cos_sin_ptr, cos_sin_stride,
                               k_weight_ptr, eps, half, HAS_NORM, BLOCK_HALF)
-            _store_in_cache(k_cache_ptr, r1, r2, slots, block_size, kc_block_stride, kc_offset_stride,
+            _store_in_cache(k_cache_ptr, r1, r2, k_inv_scale, slots, block_size, kc_block_stride, kc_offset_stride,
                             kc_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
         else:
             v1, v2, mask = _head_rows(v_ptr, tokens.to(tl.int64) * v_token_stride, in_range, v_head_stride, kv_heads,
                                       half, BLOCK_HK, BLOCK_HALF)
-            _store_in_cache(v_cache_ptr, tl.load(v1, mask=mask), tl.load(v2, mask=mask), slots, block_size,
-                            vc_block_stride, vc_offset_stride, vc_head_stride, kv_heads, half, BLOCK_HK, BLOCK_HALF)
+            _store_in_cache(v_cache_ptr, tl.load(v1, mask=mask), tl.load(v2, mask=mask), v_inv_scale, slots,
+                            block_size, vc_block_stride, vc_offset_stride, vc_head_stride, kv_heads, half, BLOCK_HK,
+                            BLOCK_HALF)
 
 
 @triton.jit
@@ -110,18 +112,19 @@ def _rotated(x1_ptrs, x2_ptrs, mask, tokens, in_range, positions_ptr, cos_sin_pt
 
 
 @triton.jit
-def _store_in_cache(cache_ptr, x1, x2, slots, block_size, block_stride, offset_stride, head_stride, heads, half,
-                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _store_in_cache(cache_ptr, x1, x2, inv_scale, slots, block_size, block_stride, offset_stride, head_stride, heads,
+                    half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # int32 division (int64's is a long routine), int64 products: block * block_stride
     # exceeds 2^31 elements in large caches
     base = (slots // block_size).to(tl.int64) * block_stride + (slots % block_size).to(tl.int64) * offset_stride
     first, second, mask = _head_rows(cache_ptr, base, slots >= 0, head_stride, heads, half, BLOCK_H, BLOCK_HALF)
-    tl.store(first, x1.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(second, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(first, to_cache(x1, inv_scale, cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(second, to_cache(x2, inv_scale, cache_ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                       q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+                       q_weight=None, k_weight=None, eps: float = 1e-6, *, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
     n_tokens, q_heads, head_dim = q.shape
     if n_tokens == 0:
         return q
@@ -146,7 +149,8 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
         v_rows, v_rows.stride(0), v_rows.stride(1), positions, cache, cache.stride(0),
         q_weight.contiguous() if has_norm else cache, k_weight.contiguous() if has_norm else cache, eps,
         slot_mapping, k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
-        n_tokens, q_heads, kv_heads, half, k_cache.shape[1], q_part_heads,
+        inverse_scale(k_scale), inverse_scale(v_scale), n_tokens, q_heads, kv_heads, half, k_cache.shape[1],
+        q_part_heads,
         HAS_NORM=has_norm, Q_PARTS=q_parts, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
         # at most 8 warps: on tiles of 4 tokens of Qwen3-0.6B's 16 q heads, 16 were slower at

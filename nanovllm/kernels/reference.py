@@ -153,40 +153,68 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     return tokens, chosen.float()
 
 
-def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
+
+
+def to_cache(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `cache_dtype` holds it: a float8 cache x times 1 / scale in fp32,
+    saturated to the largest finite e4m3 value (which has no infinity)."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return x.to(cache_dtype)
+    fp8_max = torch.finfo(cache_dtype).max
+    return (x.to(torch.float32) * (1.0 / scale)).clamp_(-fp8_max, fp8_max).to(cache_dtype)
+
+
+def from_cache(entries: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache entries as `dtype` values: a float8 cache's times its scale. The upcast comes
+    first, as the CPU has no float8 arithmetic."""
+    values = entries.to(dtype)
+    return values.mul_(scale) if is_fp8(entries) and scale != 1.0 else values
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     valid = (slot_mapping >= 0).nonzero().flatten()
     slots = slot_mapping.index_select(0, valid).long()
-    for cache, new in ((k_cache, key), (v_cache, value)):
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.index_select(0, valid).to(cache.dtype))
+    for cache, new, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        entries = to_cache(new.index_select(0, valid), scale, cache.dtype)
+        if is_fp8(cache):  # the CPU's index_copy_ takes no float8: copy the bytes
+            cache, entries = cache.view(torch.uint8), entries.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, entries)
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, first: int, seq_len: int) -> torch.Tensor:
-    """Keys first..seq_len-1 of a sequence; blocks wholly before `first` are not read."""
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, first: int, seq_len: int, scale: float,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Keys first..seq_len-1 of a sequence as `dtype` values; blocks wholly before `first`
+    are not read."""
     block_size = cache.shape[1]
     first_block, num_blocks = first // block_size, -(-seq_len // block_size)
     blocks = cache.index_select(0, block_table[first_block:num_blocks].long())  # [n, block_size, Hk, D]
-    return blocks.flatten(0, 1)[first - first_block * block_size:seq_len - first_block * block_size]
+    keys = blocks.flatten(0, 1)[first - first_block * block_size:seq_len - first_block * block_size]
+    return from_cache(keys, scale, dtype)
 
 
 def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                       q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+                       q_weight=None, k_weight=None, eps: float = 1e-6, *, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
     """The unfused composition: q/k norm, rotary, KV store; q rewritten in place."""
     if q_weight is not None:
         q_normed, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     else:
         q_normed = q
     q_rotated, k = apply_rotary_emb(positions, q_normed, k, cos_sin_cache)
-    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q.copy_(q_rotated)
 
 
 def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal=True,
-                    sliding_window=None):
+                    sliding_window=None, k_scale=1.0, v_scale=1.0):
     """Per-sequence gather of the cached K/V, then attention in fp32 (float64 for float64
     inputs). A sequence whose query sees no key (seq_len 0) gets zeros. With a sliding window
-    (causal only), a query sees the `sliding_window` keys ending at its own position."""
+    (causal only), a query sees the `sliding_window` keys ending at its own position. Float8
+    caches are upcast and scaled (from_cache) before any arithmetic."""
     if q.shape[0] == seq_lens.shape[0] and max_seqlen_q == 1 and _padding_is_cheap(seq_lens, block_tables, k_cache):
-        return _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window)
+        return _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window, k_scale,
+                                 v_scale)
     out = torch.zeros_like(q)
     dtype = _compute_dtype(q)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
@@ -198,8 +226,8 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
         # the first key the first query sees; the window of later queries starts later still
         first = max(seq_len - (q_end - q_start) - sliding_window + 1, 0) if sliding_window else 0
         # [heads, tokens, head_dim], the layout scaled_dot_product_attention takes
-        k = _gather_kv(k_cache, block_tables[i], first, seq_len).to(dtype).transpose(0, 1)
-        v = _gather_kv(v_cache, block_tables[i], first, seq_len).to(dtype).transpose(0, 1)
+        k = _gather_kv(k_cache, block_tables[i], first, seq_len, k_scale, dtype).transpose(0, 1)
+        v = _gather_kv(v_cache, block_tables[i], first, seq_len, v_scale, dtype).transpose(0, 1)
         qs = q[q_start:q_end].to(dtype).transpose(0, 1)
         mask = None
         if causal:
@@ -214,13 +242,13 @@ def paged_attention(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_tables
 
 def qk_norm_rope_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, cu_seqlens_q,
                            seq_lens, block_tables, max_seqlen_q, scale, sliding_window=None, q_weight=None,
-                           k_weight=None, eps=1e-6):
+                           k_weight=None, eps=1e-6, k_scale=1.0, v_scale=1.0):
     """The unfused composition: qk_norm_rope_store, then causal paged_attention."""
     q = qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight,
-                           eps)
+                           eps, k_scale=k_scale, v_scale=v_scale)
     return paged_attention(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
                            block_tables=block_tables, max_seqlen_q=max_seqlen_q, scale=scale,
-                           sliding_window=sliding_window)
+                           sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
 
 
 def _padding_is_cheap(seq_lens, block_tables, k_cache) -> bool:
@@ -231,7 +259,8 @@ def _padding_is_cheap(seq_lens, block_tables, k_cache) -> bool:
     return padded_keys <= 4 * int(seq_lens.sum()) + k_cache.shape[1] * seq_lens.shape[0] and gathered_elements <= 1 << 28
 
 
-def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window=None):
+def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window=None, k_scale=1.0,
+                      v_scale=1.0):
     """Every sequence has exactly one query row (a decode step): one batched attention over
     caches gathered to the widest block table, instead of a Python loop over sequences."""
     dtype = _compute_dtype(q)
@@ -247,11 +276,12 @@ def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, slidin
     # index_fill_ of those rows: a few times cheaper on the CPU than a broadcast masked_fill.
     invisible = (~visible).flatten().nonzero().flatten()
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [seqs, kv_heads, keys, head_dim]
-        rows = cache.index_select(0, blocks).view(num_seqs * width * block_size, -1).index_fill_(0, invisible, 0)
-        return rows.view(num_seqs, width * block_size, *cache.shape[2:]).to(dtype).transpose(1, 2)
+    def gather(cache: torch.Tensor, cache_scale: float) -> torch.Tensor:  # -> [seqs, kv_heads, keys, head_dim]
+        rows = from_cache(cache.index_select(0, blocks).view(num_seqs * width * block_size, -1), cache_scale, dtype)
+        rows.index_fill_(0, invisible, 0)
+        return rows.view(num_seqs, width * block_size, *cache.shape[2:]).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None], gather(k_cache), gather(v_cache),
+    out = F.scaled_dot_product_attention(q.to(dtype)[:, :, None], gather(k_cache, k_scale), gather(v_cache, v_scale),
                                          attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
     return out[:, :, 0].masked_fill((seq_lens == 0)[:, None, None], 0).to(q.dtype)
 

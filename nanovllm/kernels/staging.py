@@ -21,7 +21,7 @@ launched with it."""
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import STAGE_SLOT_MIN
+from nanovllm.kernels.staging_layout import STAGE_SLOT_MIN
 from nanovllm.kernels.launch import await_previous_kernel, dependent_launch, fast_launch
 
 HEADER = tl.constexpr(2)  # the block tables' row count and width

@@ -2,11 +2,18 @@
 values for load_format="dummy". Pickled checkpoints are never read."""
 import glob
 import json
+import math
 import os
+import re
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+
+# An attention layer's FP8 KV-cache scale as HF and vLLM checkpoints name it: no parameter of
+# the model, the model runner reads it (kv_cache_scales).
+_KV_SCALE_NAME = re.compile(r"\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -58,6 +65,8 @@ def load_model(model: nn.Module, model_dir: str) -> None:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name not in accepted:
+                    if _KV_SCALE_NAME.search(name):
+                        continue
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
                 param_name, shard_id = accepted[name]
                 _load_one(params[param_name], f.get_tensor(name), name, shard_id)
@@ -65,6 +74,25 @@ def load_model(model: nn.Module, model_dir: str) -> None:
     missing = sorted(required - loaded - _aliases_of(model, loaded, accepted))
     if missing:
         raise ValueError(f"model: checkpoint lacks tensor(s) {', '.join(missing[:8])}")
+
+
+def kv_cache_scales(model_dir: str) -> dict[int, dict[str, float]]:
+    """Decoder layer index -> {"k": k_scale, "v": v_scale} of the checkpoint's per-tensor KV
+    scales (model.layers.N.self_attn.k_scale), as far as it has them."""
+    scales = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                match = _KV_SCALE_NAME.search(name)
+                if not match:
+                    continue
+                tensor = f.get_tensor(name)
+                value = float(tensor.float().flatten()[0]) if tensor.numel() == 1 else math.nan
+                if not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"model: checkpoint tensor {name!r} must be one positive finite scale, "
+                                     f"got {tensor.tolist()}")
+                scales.setdefault(int(match[1]), {})[match[2]] = value
+    return scales
 
 
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, name: str, shard_id) -> None:

@@ -13,6 +13,7 @@ from checkpoints import build_checkpoint
 from test_logprobs import assert_logprobs_match
 
 from nanovllm import LLM, SamplingParams, kernels
+from nanovllm.kernels import dispatch, linear_ops
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 17, 3, 99, 42] * 9, [200, 201], [33] * 300, list(range(40, 140))]
@@ -105,11 +106,11 @@ def test_gemv_matches_cublas_up_to_near_ties(checkpoint, hf_model, monkeypatch, 
     Triton GEMV (kernels.linear) against the same engine on cuBLAS: equal greedy tokens, in
     bf16 up to the first near-tie of fp32 transformers' logits."""
     calls, gemv = [], kernels.small_batch_linear
-    monkeypatch.setattr(kernels, "small_batch_linear", lambda *args: calls.append(1) or gemv(*args))
-    monkeypatch.setattr(kernels, "gemv_enabled", False)
+    monkeypatch.setattr(linear_ops, "small_batch_linear", lambda *args: calls.append(1) or gemv(*args))
+    monkeypatch.setattr(dispatch, "gemv_enabled", False)
     cublas = engine_tokens(checkpoint, dtype=dtype)
     assert not calls
-    monkeypatch.setattr(kernels, "gemv_enabled", True)
+    monkeypatch.setattr(dispatch, "gemv_enabled", True)
     ours = engine_tokens(checkpoint, dtype=dtype)
     assert calls, "the GEMV never ran"
     for prompt, got, want in zip(PROMPTS, ours, cublas):

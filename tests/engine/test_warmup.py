@@ -15,8 +15,8 @@ import torch
 
 import nanovllm
 from checkpoints import build_checkpoint
-from nanovllm import LLM, SamplingParams, kernels
-from nanovllm.kernels import dispatch, reference
+from nanovllm import LLM, SamplingParams
+from nanovllm.kernels import dispatch, linear_ops, ops, reference, staging_layout
 
 SAMPLING_OPS = {"sample", "publish_tokens"}  # the Triton kernels a step's sampling launches
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, kvcache_block_size=16, num_kvcache_blocks=48,
@@ -63,8 +63,9 @@ def launched(monkeypatch) -> set:
     for module, name in [(sampling, "_scan_kernel"), (sampling, "_min_p_draw_kernel"),
                          (sampling, "_finalize_kernel"), (staging, "_publish_kernel")]:
         monkeypatch.setattr(module, name, Recorder(getattr(module, name), name, keys))
-    monkeypatch.setattr(kernels, "implementation", lambda op, device: dispatch.implementation(op, device)
-                        if op in SAMPLING_OPS else getattr(reference, op))
+    for module in (ops, linear_ops, staging_layout):  # where the public kernels look their implementation up
+        monkeypatch.setattr(module, "implementation", lambda op, device: dispatch.implementation(op, device)
+                            if op in SAMPLING_OPS else getattr(reference, op))
     return keys
 
 

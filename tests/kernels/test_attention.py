@@ -653,7 +653,7 @@ def test_cuda_decode_gpu(nan_empty, heads, block_size, dtype):
     ref = expected(case)
     for pdl in (False, True):
         out = paged_decode.paged_decode(ext, case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens,
-                                        case.block_tables, case.scale, pdl)
+                                        case.block_tables, case.scale, 1.0, 1.0, pdl)
         assert_close(out, ref, dtype)
         assert (out[1] == 0).all()
 

@@ -99,7 +99,7 @@ def test_cpu_is_never_graph_capturable():
 def test_sampling_is_graph_capturable_with_the_triton_sampler_only(monkeypatch):
     """The model runner's sampling graphs: the reference's draws synchronise with the host, and
     the CUDA C++ sampler is not tested under capture."""
-    monkeypatch.setattr(kernels, "backend_for", lambda device: "triton")
+    monkeypatch.setattr(dispatch, "backend_for", lambda device: "triton")
     for sampler, capturable in (("triton", True), ("cuda", False), ("torch", False)):
         monkeypatch.setattr(dispatch, "SAMPLER", sampler)
         assert kernels.graph_capturable("cuda", sampling=True) == capturable

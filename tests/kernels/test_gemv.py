@@ -13,7 +13,7 @@ from kernel_testing import (FP32_INTERPRETER_AND_GPU, TARGETS, TOLERANCE, assert
                             poison_allocator, randn, relative_error, require_triton, strided_rows, upcast)
 
 from nanovllm import kernels
-from nanovllm.kernels import reference, small_batch_linear
+from nanovllm.kernels import dispatch, linear_ops, reference, small_batch_linear
 
 # (rows, features N, input K, whether the launch rule splits K on a 132-SM GPU and in the
 # interpreter (None: only on the GPU), with a bias)
@@ -278,13 +278,13 @@ def test_linear_routes_small_batches_to_the_gemv(monkeypatch):
         calls.append(x.shape[0])
         return small_batch_linear(x, weight, bias, prefetch)
 
-    monkeypatch.setattr(kernels, "small_batch_linear", recording)
-    monkeypatch.setattr(kernels, "gemv_enabled", True)
+    monkeypatch.setattr(linear_ops, "small_batch_linear", recording)
+    monkeypatch.setattr(dispatch, "gemv_enabled", True)
     weight = randn(64, 32, dtype=torch.bfloat16, device="cuda")
     for rows in (1, 16, 17):
         kernels.linear(randn(rows, 32, dtype=torch.bfloat16, device="cuda"), weight)
     assert calls == [1, 16]
-    monkeypatch.setattr(kernels, "gemv_enabled", False)
+    monkeypatch.setattr(dispatch, "gemv_enabled", False)
     kernels.linear(randn(1, 32, dtype=torch.bfloat16, device="cuda"), weight)
     assert calls == [1, 16]
 

@@ -11,7 +11,7 @@ _DECLARATIONS = """
 #include <torch/extension.h>
 void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
                   torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables, double qk_scale,
-                  bool pdl);
+                  double v_scale, bool pdl);
 """
 HEAD_DIM = 64
 MAX_GROUP = 16  # query heads of a kv head: the MMA's 16 rows
@@ -31,11 +31,12 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
 
 def supports(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables) -> bool:
     """Whether the kernel serves these decode operands (kernels.paged_attention has checked
-    their shapes): 16-bit floats on a GPU with bf16 tensor cores, heads of 64, at most
-    16 query heads a kv head, cache blocks of whole chunks, int32 step metadata, all on q's
-    device, rows the kernel can read 16 bytes at a time."""
+    their shapes): 16-bit floats on a GPU with bf16 tensor cores, caches of q's dtype or
+    float8 e4m3, heads of 64, at most 16 query heads a kv head, cache blocks of whole chunks,
+    int32 step metadata, all on q's device, rows the kernel can read 16 bytes at a time."""
     return (q.is_cuda and all(t.device == q.device for t in (k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables))
-            and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == v_cache.dtype == q.dtype
+            and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
             and q.shape[2] == HEAD_DIM and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
             and k_cache.shape[1] % CHUNK == 0
             and all(t.dtype == torch.int32 for t in (cu_seqlens_q, seq_lens, block_tables))
@@ -45,10 +46,12 @@ def supports(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables) -> bool:
             and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
-def paged_decode(ext, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale: float,
-                 pdl: bool) -> torch.Tensor:
-    """Attention of each sequence's one query row (or none) over its cached keys; `ext` is
-    module()'s. Rows no sequence owns are left unwritten."""
+def paged_decode(ext, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale: float, k_scale: float,
+                 v_scale: float, pdl: bool) -> torch.Tensor:
+    """Attention of each sequence's one query row (or none) over its cached keys (a float8
+    cache's times k_scale and v_scale); `ext` is module()'s. Rows no sequence owns are left
+    unwritten."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ext.paged_decode(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale * LOG2E, pdl)
+    ext.paged_decode(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale * k_scale * LOG2E, v_scale,
+                     pdl)
     return out

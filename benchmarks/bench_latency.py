@@ -22,7 +22,8 @@ mean time the host spent blocked on a step's tokens: near 0, the host sets the p
 work taken off the step does not shorten it.
 
 The floor. Bytes a step must read: every parameter once (the LM head included; an untied
-embedding table is not counted, a step reads one row of it per sequence) plus each
+embedding table is not counted, a step reads one row of it per sequence; of a mixture of
+experts, the experts a batch of that size reaches on average: weight_bytes) plus each
 sequence's keys and values (2 x layers x kv heads x head_dim x element size per key, at the
 measured steps' mean length). Divided by the copy rate of a 1 GiB device-to-device copy
 measured in the same run (bytes read + written per second, the "% of copy" of
@@ -61,6 +62,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams, kernels
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.utils.timing import device_copy_gbs
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanovllm", "configs")
@@ -120,25 +122,37 @@ def write_json(result: dict, out_dir: str, name: str) -> str:
     return path
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the parameters a decode step reads whole (parameters() lists a tied one once)."""
+def weight_bytes(model, batch: int | None = None) -> int:
+    """Bytes of the parameters a decode step of `batch` sequences reads whole (parameters()
+    lists a tied one once). A mixture-of-experts layer's experts count as many times as a
+    step reaches distinct experts on average, E (1 - (1 - k/E)^batch) for tokens routed
+    uniformly (k of E experts each); all of them where batch is None."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.model.embed_tokens.weight
     if embed is not model.lm_head.weight:
         total -= embed.numel() * embed.element_size()
+    for module in model.modules():
+        if batch is not None and isinstance(module, FusedMoE):
+            experts = module.w13_weight.numel() * module.w13_weight.element_size() + \
+                module.w2_weight.numel() * module.w2_weight.element_size()
+            reached = 1 - (1 - module.top_k / module.num_experts) ** batch
+            total -= int(experts * (1 - reached))
     return total
 
 
 # --- decode steps ------------------------------------------------------------------------
 def seat(llm, batch: int, context: int, max_tokens: int) -> list[Sequence]:
-    """`batch` running sequences of `context` tokens whose first context - 1 are in the cache."""
+    """`batch` running sequences of `context` tokens whose first context - 1 are in the cache.
+    Each ends in a token of its own, so the sequences decode different tokens: a mixture of
+    experts routes them as a batch of distinct requests, not as one."""
     scheduler = llm.scheduler
     rng = random.Random(context)
-    prompt = [rng.randrange(min(10000, llm.config.hf_config.vocab_size)) for _ in range(context)]
+    vocab = min(10000, llm.config.hf_config.vocab_size)
+    prompt = [rng.randrange(vocab) for _ in range(context - 1)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seqs = []
     for _ in range(batch):
-        seq = Sequence(next(_request_ids), prompt, params)
+        seq = Sequence(next(_request_ids), prompt + [rng.randrange(vocab)], params)
         if scheduler.block_manager.admit(seq, context) != context:
             raise RuntimeError(f"no KV blocks for a {context}-token sequence")
         seq.num_computed_tokens = context - 1
@@ -201,7 +215,7 @@ def decode_case(llm, batch: int, context: int, warmup: int, steps: int, step_roo
 def add_floor(case: dict, weights: int, kv_per_key: int, copy_gbs: float) -> dict:
     kv = case["batch"] * case["mean_keys"] * kv_per_key
     floor_ms = (weights + kv) / (copy_gbs * 1e9) * 1e3
-    return {**case, "tok_per_s": case["batch"] / case["step_ms"] * 1e3, "kv_bytes": int(kv),
+    return {**case, "tok_per_s": case["batch"] / case["step_ms"] * 1e3, "kv_bytes": int(kv), "weight_bytes": weights,
             "floor_ms": floor_ms, "pct_of_floor": 100 * floor_ms / case["step_ms"]}
 
 
@@ -351,7 +365,7 @@ def main():
             if "skipped" in case:
                 print(f"{batch:6d} {context:8d}  skipped: {case['skipped']}")
             else:
-                case = add_floor(case, weights, kv_per_key, copy_gbs)
+                case = add_floor(case, weight_bytes(runner.model, batch), kv_per_key, copy_gbs)
                 print(f"{batch:6d} {context:8d} {case['step_ms']:9.3f} {case['step_ms_median']:9.3f} "
                       f"{case['wait_ms']:8.3f} {case['tok_per_s']:9.0f} {case['floor_ms']:9.3f} {case['pct_of_floor']:8.1f}")
             result["decode"].append(case)

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (GemmaConfig, GemmaForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 VOCAB_SIZE = 320
 EOS_TOKEN = "<|endoftext|>"
@@ -46,7 +47,13 @@ FAMILY_CHECKPOINTS = {
     "mistral_no_window": dict(arch="mistral", tied=False, sliding_window=None),
     "gemma": dict(arch="gemma", head_dim=32),
     "gemma_exact_gelu": dict(arch="gemma", hidden_act="gelu"),
+    "qwen3_moe": dict(arch="qwen3_moe", tied=False),
+    "qwen2_moe": dict(arch="qwen2_moe", tied=False),
 }
+# 8 experts, 2 a token, of which layer 1 (mlp_only_layers) has none: one dense MLP among the
+# sparse ones. moe_intermediate_size 48 and 3 layers keep the file near the others' size.
+MOE_CONFIG = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                  mlp_only_layers=[1], decoder_sparse_step=1)
 
 # Training text for the tokenizer: any English works; it only has to yield enough merges to
 # fill VOCAB_SIZE on top of the 256 byte-level symbols.
@@ -89,6 +96,8 @@ ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "gemma": (GemmaConfig, GemmaForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
 }
 
 
@@ -117,6 +126,10 @@ def _config(arch: str, tied: bool, eos_id: int, pad_id: int, overrides: dict):
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}")
     config_class, model_class = ARCHS[arch]
+    if arch == "qwen3_moe":
+        common.update(MOE_CONFIG, norm_topk_prob=True)
+    elif arch == "qwen2_moe":  # transformers' default norm_topk_prob (False) and a shared expert
+        common.update(MOE_CONFIG, shared_expert_intermediate_size=80)
     return config_class(**{**common, **overrides}), model_class
 
 

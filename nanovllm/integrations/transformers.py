@@ -1,6 +1,6 @@
 """Runs nanovllm's fused kernels inside an already-built Hugging Face transformers model.
 
-    report = swap_layers(model)   # a Qwen3, Qwen2, Llama, Mistral or Gemma ...ForCausalLM
+    report = swap_layers(model)   # a Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral or Gemma ...ForCausalLM
     print(report)
     restore_layers(model)         # back to the transformers code
 
@@ -24,16 +24,17 @@ from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from nanovllm.kernels import apply_rotary_emb, backend_for
+from nanovllm.kernels import apply_rotary_emb, backend_for, fused_moe
 from nanovllm.kernels import rms_norm as rms_norm_kernel
 from nanovllm.layers.custom_mlp import resolve_activation
 
 __all__ = ["SwapReport", "swap_layers", "restore_layers"]
 
 # Class-name prefix -> the transformers module defining that family's layers.
-_FAMILIES = {"Qwen3": modeling_qwen3, "Qwen2": modeling_qwen2, "Llama": modeling_llama, "Mistral": modeling_mistral,
-             "Gemma": modeling_gemma}
+_FAMILIES = {"Qwen3Moe": modeling_qwen3_moe, "Qwen3": modeling_qwen3, "Qwen2": modeling_qwen2, "Llama": modeling_llama,
+             "Mistral": modeling_mistral, "Gemma": modeling_gemma}
 # Instance attribute marking a swapped module; holds the _Swap that its forward reads.
 _STATE = "_nanovllm_swap"
 
@@ -50,7 +51,8 @@ class SwapReport:
 
 
 def swap_layers(model: nn.Module, rms_norm: bool = True, mlp: bool = True, rope: bool = True) -> SwapReport:
-    """Routes the model's RMSNorms, gated MLPs and rotary embeddings through nanovllm.kernels.
+    """Routes the model's RMSNorms, gated MLPs (a mixture of experts' expert loop too) and
+    rotary embeddings through nanovllm.kernels.
     Everything is checked before anything changes, so a ValueError leaves the model as it was.
     Modules already swapped are left alone, so a second call only adds what the first skipped."""
     prefix, modeling = _family(model)
@@ -63,6 +65,9 @@ def swap_layers(model: nn.Module, rms_norm: bool = True, mlp: bool = True, rope:
         act_and_mul, kernel = _gated_activation(model.config.hidden_act)
         plan.append((getattr(modeling, f"{prefix}MLP"), _mlp_forward,
                      lambda module: _MergedGateUp(module, act_and_mul, kernel)))
+        if hasattr(modeling, f"{prefix}Experts"):
+            experts_state = _Experts(resolve_activation(model.config.hidden_act).name)
+            plan.append((getattr(modeling, f"{prefix}Experts"), _experts_forward, lambda module: experts_state))
     if rope:
         attention_class = getattr(modeling, f"{prefix}Attention")
         table = _RopeTable(model.model.rotary_emb, model.config.max_position_embeddings,
@@ -190,6 +195,24 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     swap = getattr(self, _STATE)
     weight, bias = swap.gate_up(self)
     return self.down_proj(swap.act_and_mul(F.linear(x, weight, bias)))
+
+
+class _Experts(_Swap):
+    """The stacked experts' gate_up_proj [E, 2I, H] (gate above up) and down_proj [E, H, I]
+    are already fused_moe's operands: nothing to merge or restore."""
+
+    def __init__(self, activation: str):
+        super().__init__("fused_moe")
+        self.activation = activation
+
+
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' loop as one grouped GEMM pair; the router's choice stays transformers'."""
+    if hidden_states.dtype != self.gate_up_proj.dtype or _autograd_needed(self, hidden_states):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    return fused_moe(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights.float(), top_k_index.int(),
+                     getattr(self, _STATE).activation)
 
 
 def _cache_parameter(attention_class: type) -> str:

@@ -162,3 +162,18 @@ def require_linear_operands(x: torch.Tensor, weight: torch.Tensor, bias, prefetc
                 "must be a contiguous tensor or None")
         require(prefetch.device == x.device, "prefetch",
                 lambda: f"device {prefetch.device} differs from x's {x.device}")
+
+
+def require_moe_operands(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """fused_moe's x [T, H], w13 [E, 2I, H] and w2 [E, H, I] of one dtype and device."""
+    require(isinstance(x, torch.Tensor) and x.dtype in GEMV_DTYPES and x.dim() == 2, "x",
+            "must be a float16, bfloat16 or float32 [tokens, hidden] tensor")
+    for name, w in (("w13", w13), ("w2", w2)):
+        require_float(w, name)
+        require(w.dim() == 3 and w.dtype == x.dtype and w.device == x.device, name,
+                lambda: f"must be [experts, N, K] of x's dtype and device, got {tuple(w.shape)} {w.dtype}")
+    experts, gate_up, hidden = w13.shape
+    require(hidden == x.shape[1] and gate_up % 2 == 0, "w13",
+            lambda: f"shape {tuple(w13.shape)} must be [experts, 2 * intermediate, {x.shape[1]}]")
+    require(w2.shape == (experts, hidden, gate_up // 2), "w2",
+            lambda: f"shape {tuple(w2.shape)} must be ({experts}, {hidden}, {gate_up // 2})")

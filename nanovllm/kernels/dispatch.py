@@ -51,6 +51,9 @@ _TRITON_MODULES = {
     "act_linear": "gemv",
     "stage_inputs": "staging",
     "publish_tokens": "staging",
+    "moe_topk": "moe",
+    "moe_align": "moe",
+    "fused_moe": "moe",
 }
 
 

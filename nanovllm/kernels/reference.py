@@ -323,3 +323,54 @@ def publish_tokens(tokens, last, host_slots, parity) -> None:
     last[:tokens.shape[0]] = tokens
     host_slots[int(parity), :tokens.shape[0]] = tokens
     parity.copy_(1 - parity)
+
+
+def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Softmax over the experts, the top_k largest (of equal probabilities the lowest expert id
+    first: a stable sort), divided by their sum with `renormalize`. -> (float32 weights, int32
+    ids), [tokens, top_k] each."""
+    probs = torch.softmax(router_logits.to(_compute_dtype(router_logits)), dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(torch.promote_types(weights.dtype, torch.float32)), ids.to(torch.int32)
+
+
+def max_row_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """The most block_m-row blocks num_slots (token, k) slots can fill, each expert's run padded
+    on its own: every block holds a slot, and at most one block an expert is partly padding."""
+    return min(num_slots, (num_slots + num_experts * (block_m - 1)) // block_m)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The (token, k) slots (flat index into topk_ids) sorted by expert, slot order kept within
+    an expert, each expert's run padded with topk_ids.numel() to a multiple of block_m, in a
+    buffer of the worst case's max_row_blocks blocks; and the expert of each block (-1 past
+    the last run)."""
+    slots = topk_ids.numel()
+    blocks = max(max_row_blocks(slots, num_experts, block_m), 1)
+    sorted_slots = torch.full((blocks * block_m,), slots, dtype=torch.int32, device=topk_ids.device)
+    block_experts = torch.full((blocks,), -1, dtype=torch.int32, device=topk_ids.device)
+    flat, row = topk_ids.reshape(-1), 0
+    for expert in range(num_experts):
+        mine = (flat == expert).nonzero().flatten()
+        run = -(-mine.numel() // block_m)
+        sorted_slots[row:row + mine.numel()] = mine.to(torch.int32)
+        block_experts[row // block_m:row // block_m + run] = expert
+        row += run * block_m
+    return sorted_slots, block_experts
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """sum_j topk_weights[t, j] * w2[e] @ act_and_mul(w13[e] @ x[t]) for e = topk_ids[t, j],
+    expert by expert over the experts that got tokens."""
+    dtype = _compute_dtype(x)
+    xc, out = x.to(dtype), torch.zeros(x.shape, dtype=dtype, device=x.device)
+    for expert in topk_ids.unique().tolist():
+        tokens, which = (topk_ids == expert).nonzero(as_tuple=True)
+        activated = _gated(F.linear(xc[tokens], w13[expert].to(dtype)), activation)
+        down = F.linear(activated, w2[expert].to(dtype)) * topk_weights[tokens, which, None].to(dtype)
+        out.index_add_(0, tokens, down)
+    return out.to(x.dtype)

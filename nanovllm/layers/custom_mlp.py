@@ -48,6 +48,10 @@ class CustomGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
 
+    def projections(self) -> tuple:
+        """The linear layers a decode step runs, in order (read-ahead chain)."""
+        return self.gate_up_proj, self.down_proj
+
     def normed_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
         """(this MLP of norm(x + residual), x + residual), as gate_up_proj.normed_forward: the
         norm, gate_up and the activation one kernel in decode steps of one or two sequences."""

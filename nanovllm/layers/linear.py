@@ -86,6 +86,7 @@ class ColumnParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Splits the input dimension; every rank's partial sums are all-reduced. The bias is added
     once, by rank 0."""
+    reduce_results = True  # False: the caller all-reduces (a MoE layer's shared expert, with the experts')
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, shard_dim=1)
@@ -104,7 +105,7 @@ class RowParallelLinear(LinearBase):
         return self._all_reduced(kernels.act_linear(x, self.weight, bias, self._next_weight(), activation))
 
     def _all_reduced(self, y: torch.Tensor) -> torch.Tensor:
-        return distributed.all_reduce(y) if self.tp_size > 1 else y
+        return distributed.all_reduce(y) if self.tp_size > 1 and self.reduce_results else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -8,6 +8,7 @@ from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.models.mistral import MistralForCausalLM
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
+from nanovllm.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -15,6 +16,8 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 

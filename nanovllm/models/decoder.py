@@ -5,6 +5,7 @@ projections. A family subclasses DecoderForCausalLM and states what it does diff
 DecoderOptions (and, where its transformers config defaults a field differently, in
 hf_defaults)."""
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -26,6 +27,8 @@ class DecoderOptions:
     qk_norm: bool = False  # RMSNorm of each q and k head before rotation (Qwen3)
     unit_offset_norms: bool = False  # norms scale by 1 + weight (Gemma)
     embed_scale: float | None = None  # embeddings times this, rounded to the model's dtype (Gemma)
+    # (config, layer index) -> that layer's MLP, None where it is the dense gated one (mixtures of experts)
+    mlp: Callable[[ModelConfig, int], nn.Module] | None = None
 
 
 class DecoderAttention(nn.Module):
@@ -54,10 +57,13 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
         self.self_attn = DecoderAttention(config, options, rotary_emb)
-        self.mlp = CustomGatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+        mlp = options.mlp(config, layer_idx) if options.mlp is not None else None
+        if mlp is None:  # the dense gated MLP
+            mlp = CustomGatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)
 
@@ -81,9 +87,9 @@ class DecoderModel(nn.Module):
         # One table for all layers (Llama 3.1's 131072 positions take 32-64 MiB of fp32).
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                      config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, options, rotary_emb) for _ in range(config.num_hidden_layers))
-        projections = [p for layer in self.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.layers = nn.ModuleList(DecoderLayer(config, options, rotary_emb, i) for i in range(config.num_hidden_layers))
+        projections = [p for layer in self.layers
+                       for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *layer.mlp.projections())]
         for current, following in zip(projections, projections[1:]):
             current.read_ahead(following)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)

@@ -33,6 +33,18 @@ class ModelConfig:
     sliding_window: int | None  # keys a query sees, its own included; None: all before it
     torch_dtype: torch.dtype
     eos_token_id: list[int]
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE); num_experts 0: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse where (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and it is not listed here
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -70,7 +82,30 @@ class ModelConfig:
             sliding_window=_sliding_window(raw),
             torch_dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"), torch.bfloat16),
             eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
+            **_experts(raw),
         )
+
+
+def _experts(raw: dict) -> dict:
+    """The mixture-of-experts fields, checked where num_experts says the model has experts."""
+    # transformers 5 writes num_local_experts, published configs num_experts (which the
+    # families' defaults also fill)
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
+    if not experts:
+        return {}
+    fields = dict(num_experts=experts, num_experts_per_tok=raw.get("num_experts_per_tok"),
+                  moe_intermediate_size=raw.get("moe_intermediate_size"),
+                  norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                  decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
+                  mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+                  shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size") or 0)
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        value = fields[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    if fields["num_experts_per_tok"] > experts:
+        raise ValueError(f"num_experts_per_tok: {fields['num_experts_per_tok']} is more than num_experts ({experts})")
+    return fields
 
 
 def _rope(raw: dict, max_positions: int) -> tuple[float, dict | None]:

@@ -42,7 +42,12 @@ def checkpoint_names(model: nn.Module, remove_duplicate: bool = True) -> dict[st
     for fragment, (merged, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
         pieces.setdefault(merged, []).append((fragment, shard_id))
     names = {}
-    for param_name, _ in model.named_parameters(remove_duplicate=remove_duplicate):
+    for param_name, param in model.named_parameters(remove_duplicate=remove_duplicate):
+        # stacked parameters (a MoE layer's experts) name their checkpoint tensors themselves
+        if shards := getattr(param, "checkpoint_shards", None):
+            module = param_name.rpartition(".")[0]
+            names.update({f"{module}.{suffix}": (param_name, shard_id) for suffix, shard_id in shards.items()})
+            continue
         merged = next((m for m in pieces if f".{m}." in param_name), None)
         for fragment, shard_id in pieces.get(merged, [(None, None)]):
             source = param_name.replace(f".{merged}.", f".{fragment}.") if merged else param_name

@@ -5,11 +5,11 @@ import pytest
 import torch
 from transformers import (DynamicCache, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.llama import modeling_llama
 
 from nanovllm import kernels
-from nanovllm.kernels import dispatch, linear_ops, ops, staging_layout
+from nanovllm.kernels import dispatch, linear_ops, moe_ops, ops, staging_layout
 from nanovllm.integrations.transformers import restore_layers, swap_layers
 
 LAYERS = 2
@@ -74,7 +74,7 @@ def kernel_calls(monkeypatch):
         calls[op] += 1
         return dispatch.implementation(op, device)
 
-    for module in (ops, linear_ops, staging_layout):  # where the public kernels look their implementation up
+    for module in (ops, linear_ops, moe_ops, staging_layout):  # where the public kernels look their implementation up
         monkeypatch.setattr(module, "implementation", counting)
     return calls
 
@@ -292,6 +292,50 @@ def test_swapping_twice_is_harmless(kernel_calls):
     assert kernel_calls == {"rms_norm": _NORMS["llama"], "silu_and_mul": LAYERS, "apply_rotary_emb": LAYERS}
     restore_layers(model)
     assert torch.equal(logits(model, input_ids, attention_mask), expected)
+
+
+def _qwen3_moe(device="cpu"):
+    """8 experts, 2 a token; layer 1 dense (mlp_only_layers)."""
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                            norm_topk_prob=True, mlp_only_layers=[1])
+    return Qwen3MoeForCausalLM(config).to(device=device).eval()
+
+
+def check_swapped_moe_model(backend, calls, device="cpu", tokens=True):
+    """`tokens`: also greedy generate's tokens (the interpreter checks the logits only: slow)."""
+    model = _qwen3_moe(device)
+    input_ids, attention_mask = prompt(device)
+    expected_logits = logits(model, input_ids, attention_mask)
+    expected_tokens = generate(model, input_ids, attention_mask) if tokens else None
+    report = swap_layers(model)
+    assert report.backend == backend
+    assert report.modules["model.layers.0.mlp.experts"] == "fused_moe"
+    assert report.modules["model.layers.1.mlp"] == "silu_and_mul"
+    calls.clear()
+    assert rel_err(logits(model, input_ids, attention_mask), expected_logits) < 1e-5
+    assert calls["fused_moe"] == 1 and calls["silu_and_mul"] == 1
+    if tokens:
+        assert torch.equal(generate(model, input_ids, attention_mask), expected_tokens)
+    restore_layers(model)
+    assert "model.layers.0.mlp.experts" not in swap_layers(model, mlp=False).modules
+
+
+def test_qwen3_moe_experts_run_the_fused_moe(kernel_calls):
+    """The expert loop of a sparse layer becomes kernels.fused_moe, the dense layer's MLP the
+    merged gate_up; logits and greedy tokens stay transformers'."""
+    check_swapped_moe_model(kernels.backend_for("cpu"), kernel_calls)
+
+
+@pytest.mark.triton_interpret
+def test_qwen3_moe_experts_under_the_triton_interpreter(kernel_calls):
+    assert kernels.backend_for("cpu") == "triton"
+    check_swapped_moe_model("triton", kernel_calls, tokens=False)
+
+
+@pytest.mark.gpu
+def test_qwen3_moe_experts_on_gpu(kernel_calls):
+    check_swapped_moe_model("triton", kernel_calls, "cuda")
 
 
 def test_moving_a_swapped_model_merges_its_weights_again():

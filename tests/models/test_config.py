@@ -37,6 +37,9 @@ def test_original_max_position_embeddings_as_transformers_reads_it():
     ("LlamaForCausalLM", dict(head_dim=8, hidden_act="silu", tie_word_embeddings=False, sliding_window=None)),
     ("MistralForCausalLM", dict(head_dim=8, hidden_act="silu", tie_word_embeddings=False, sliding_window=4096)),
     ("GemmaForCausalLM", dict(head_dim=256, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    ("Qwen3MoeForCausalLM", dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                 norm_topk_prob=False, shared_expert_intermediate_size=0)),
+    ("Qwen2MoeForCausalLM", dict(num_experts=60, num_experts_per_tok=4, shared_expert_intermediate_size=5632)),
 ])
 def test_family_defaults_fill_missing_fields(architecture, expected):
     config = model_config({**BASE, "architectures": [architecture]})
@@ -72,7 +75,19 @@ BAD_CONFIGS = {
     "window_zero": ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
     "bidirectional": ({"architectures": ["GemmaForCausalLM"], "use_bidirectional_attention": True},
                       "use_bidirectional_attention"),
+    "more_experts_a_token_than_experts": ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                                           "num_experts_per_tok": 6}, "num_experts_per_tok"),
+    "moe_intermediate_size_zero": ({"architectures": ["Qwen3MoeForCausalLM"], "moe_intermediate_size": 0},
+                                   "moe_intermediate_size"),
 }
+
+
+def test_moe_layers_follow_the_sparse_step_and_the_dense_list():
+    config = model_config({**BASE, "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 6,
+                           "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert [config.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    # transformers 5 writes the expert count as num_local_experts
+    assert model_config({**BASE, "architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 8}).num_experts == 8
 
 
 @pytest.mark.parametrize("name", BAD_CONFIGS)

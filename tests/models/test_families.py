@@ -1,5 +1,6 @@
 """Llama (2, 3.1, 3.2, linear and dynamic rope scaling), Mistral (with and without a sliding
-window) and Gemma in the engine equal transformers in fp32: greedy tokens through chunked
+window), Gemma, Qwen3-MoE and Qwen2-MoE (experts in some layers, a dense MLP in one) in the
+engine equal transformers in fp32: greedy tokens through chunked
 prefill, prefix sharing and preemption, and logits at every position of a teacher-forced
 sequence prefilled in chunks and decoded over the paged cache."""
 import pytest
@@ -94,6 +95,18 @@ def test_triton_kernels_match_transformers(name, family_checkpoint, family_refer
     outs = llm.generate(prompts, greedy(8), use_tqdm=False)
     ref = family_reference(name)
     assert [o["token_ids"] for o in outs] == [ref(p, 8) for p in prompts]
+
+
+@pytest.mark.triton_interpret
+def test_fused_moe_kernels_match_transformers(family_checkpoint, family_reference, new_llm, greedy, random_ids):
+    """Routing, alignment and the grouped GEMMs through the Triton kernels (interpreted): a
+    prefill of 24 tokens over 8 experts and decode steps of one token, which reach only 2."""
+    from nanovllm import kernels
+    assert kernels.backend_for("cpu") == "triton"
+    llm = new_llm(family_checkpoint("qwen3_moe"))
+    prompt = random_ids(24, seed=13)
+    tokens = llm.generate([prompt], greedy(3), use_tqdm=False)[0]["token_ids"]
+    assert tokens == family_reference("qwen3_moe")(prompt, 3)
 
 
 def test_gemma_in_bf16_keeps_its_norm_scales_in_fp32(family_checkpoint, new_llm, greedy, random_ids):

@@ -482,6 +482,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for a float8_e4m3fn W times its fp32 multipliers `scale`: [N, 1] per output
+    row (block None) or one per block[0] x block[1] tile (kernels/fp8.py)."""
+    _require(weight.dtype == torch.float8_e4m3fn, "weight", f"must be float8_e4m3fn, got {weight.dtype}")
+    return implementation("fp8_linear", x.device)(x, weight, scale, block, bias)
+
+
 def staged_values(token_rows: list[list[int]], seq_rows: list[list[int]], block_tables: list[list[int]]) -> list[int]:
     """A step's inputs in the layout stage_inputs reads from a slot (kernels/staging.py): three
     per-token rows (input ids, an id below 0 being -1 - the index of a token sampled last;

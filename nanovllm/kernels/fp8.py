@@ -123,7 +123,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         x2 = x2.contiguous()
     xq, x_scale = quantize_rows(x2)
     if block is None and x2.shape[0] >= SCALED_MM_MIN_ROWS and not INTERPRETER:
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.t(), bias=bias, out_dtype=x.dtype)
+        # The bias is added apart: cuBLASLt's row-wise scaled kernels take none in every version.
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
+        if bias is not None:
+            y += bias
     else:
         y = fp8_gemm(xq, x_scale, weight, scale, block, bias, x.dtype)
     return y.reshape(*shape[:-1], weight.shape[0])

@@ -2,6 +2,7 @@
 tokenizer and its tensors under Hugging Face names, read with the `gguf` library. Quantized
 blocks are dequantized to float32 as they are read (the loader then casts them to the model's
 dtype): the engine runs the result as it runs any other checkpoint, not the quantized blocks."""
+import functools
 import os
 from typing import Iterable, Iterator
 
@@ -26,6 +27,13 @@ def is_gguf(path: str) -> bool:
 
 
 def _reader(path: str):
+    """The file's reader, shared by the config, tokenizer and weight reads of one engine:
+    building one parses every vocabulary entry (seconds for a 50k-token vocabulary)."""
+    return _cached_reader(os.path.abspath(path), os.stat(path).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(path: str, mtime_ns: int):
     import gguf
     return gguf.GGUFReader(path)  # memory-mapped: tensors are read when dequantized
 

@@ -35,7 +35,7 @@ def engine(name: str, quantization: str | None) -> LLM:
 
 
 def decode_tok_s(llm: LLM, tokens: int) -> float:
-    prompt = [random.Random(0).randrange(1000, 20000) for _ in range(128)]
+    prompt = [random.Random(0).randrange(1000, 10000) for _ in range(128)]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     generated, seconds = timed_generate(llm, [prompt], params)
@@ -69,8 +69,10 @@ def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 def prefill_tflops(llm: LLM, tokens: int) -> float:
-    params = sum(p.numel() for p in llm.model_runner.model.parameters() if p.dim() == 2)
-    ids = [random.Random(1).randrange(1000, 20000) for _ in range(tokens)]
+    # The embedding is a lookup, not a matmul: the projections and the LM head count.
+    params = sum(p.numel() for name, p in llm.model_runner.model.named_parameters()
+                 if p.dim() == 2 and "embed_tokens" not in name)
+    ids = [random.Random(1).randrange(1000, 10000) for _ in range(tokens)]
     prefill_logits(llm, ids[:256])
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -107,7 +109,7 @@ def sharpen(llm: LLM, factor: float) -> None:
 
 def accuracy(sharpen_by: float, prompts: int, tokens: int) -> dict:
     rng = random.Random(2)
-    batch = [[rng.randrange(1000, 20000) for _ in range(64)] for _ in range(prompts)]
+    batch = [[rng.randrange(1000, 10000) for _ in range(64)] for _ in range(prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     results = {}
     for quantization in (None, "fp8"):

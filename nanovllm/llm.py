@@ -8,19 +8,20 @@ from nanovllm.engine.worker import serve_torchrun_rank
 
 class LLM(LLMEngine):
     """Offline and online generation from a Hugging Face checkpoint folder of Qwen3, Qwen2, Llama,
-    Mistral or Gemma (nanovllm.models.MODEL_REGISTRY).
+    Mistral or Gemma (nanovllm.models.MODEL_REGISTRY), or a GGUF file of one (docs/quantization.md).
 
     LLM(model_dir, device="auto", dtype="auto", max_num_seqs=256, max_num_batched_tokens=8192,
         max_model_len=4096, tensor_parallel_size=1, data_parallel_size=1, kvcache_block_size=128,
         num_kvcache_blocks=-1, gpu_memory_utilization=0.9, enable_prefix_caching=True,
-        enforce_eager=False, load_format="auto", generation_config="auto")
+        enforce_eager=False, load_format="auto", generation_config="auto", quantization=None)
 
     device "auto" takes CUDA when present, else the CPU. dtype "auto" keeps the checkpoint's
     dtype (fp32 checkpoints run in bf16 on a GPU). The KV cache takes gpu_memory_utilization of
     the GPU after a warm-up step that measures peak activation memory; on the CPU it takes
     num_kvcache_blocks blocks, or by default 2 GiB (nanovllm.config.CPU_KV_CACHE_BYTES), never
     more than max_num_seqs full-length sequences need. load_format="dummy" fills the weights
-    with random values from config.json alone.
+    with random values from config.json alone. quantization="fp8" holds the projections'
+    weights in FP8, quantized at load; FP8 checkpoints load as FP8 without it.
 
     Length: prompt + output <= max_model_len. A prompt of max_model_len tokens or more leaves
     no room for output and is rejected (ValueError naming `prompt`); a shorter one ends with

@@ -3,10 +3,14 @@ fp32 multipliers, one per output row (scale [N, 1]) or one per block[0] x block[
 (Hugging Face's `weight_scale_inv`). Activations are quantized per token (row) on the fly:
 x ~= x_q * s_x with s_x = max|x_row| / 448; products accumulate in fp32.
 
-Routing: row scales with at least SCALED_MM_MIN_ROWS rows go to torch._scaled_mm (cuBLASLt's
-row-wise scaled FP8 GEMM); block scales, and the few rows of decode steps, to the Triton GEMM
-below, which applies a block's weight scale to its partial sum as it walks K. GPUs before sm89
-have no FP8 tensor cores: the reference dequantizes the weight there."""
+Routing: row scales with at least SCALED_MM_MIN_ROWS bf16 rows go to torch._scaled_mm
+(cuBLASLt's row-wise scaled FP8 GEMM); block scales, other dtypes and the few rows of decode
+steps, to the Triton GEMM below, which applies a block's weight scale to its partial sum as it
+walks K. GPUs before sm89 have no FP8 tensor cores: the reference dequantizes the weight there.
+The activation quantization is a kernel of its own, not yet fused into the RMSNorm or
+SiLU-and-mul before it."""
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -109,6 +113,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
     return y
 
 
+@functools.cache
 def _fp8_matmuls_run(device: torch.device) -> bool:
     return INTERPRETER or torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -122,7 +127,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     xq, x_scale = quantize_rows(x2)
-    if block is None and x2.shape[0] >= SCALED_MM_MIN_ROWS and not INTERPRETER:
+    # cuBLASLt's row-wise scaled FP8 GEMM writes bf16 only.
+    if block is None and x.dtype == torch.bfloat16 and x2.shape[0] >= SCALED_MM_MIN_ROWS and not INTERPRETER:
         # The bias is added apart: cuBLASLt's row-wise scaled kernels take none in every version.
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
         if bias is not None:

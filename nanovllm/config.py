@@ -1,13 +1,15 @@
 """The engine's configuration: `Config` holds every engine argument of nanovllm.LLM and the
 model's ModelConfig (nanovllm.models.model_config)."""
+import json
 import os
 from dataclasses import dataclass, field
 
 import torch
 
 from nanovllm.distributed import torchrun_env
-from nanovllm.models import model_config_from_dir
+from nanovllm.models import model_config, model_config_from_dir
 from nanovllm.models.model_config import DTYPES, ModelConfig
+from nanovllm.utils.gguf import gguf_model_config, is_gguf
 
 # Without a GPU the cache gets this many bytes unless num_kvcache_blocks says otherwise.
 CPU_KV_CACHE_BYTES = 2 << 30
@@ -33,6 +35,8 @@ class Config:
     generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json
     kv_cache_dtype: str = "auto"  # "fp8" (e4m3, docs/attention.md#fp8-kv-cache) or "auto": the model's dtype
     speculative_config: dict | None = None  # vLLM's keys: docs/speculative_decoding.md
+    quantization: str | None = None  # "fp8": weights quantized to FP8 at load; FP8 checkpoints set it themselves
+    weight_block_size: tuple[int, int] | None = field(init=False)  # of an FP8 checkpoint's weight scales
     hf_config: ModelConfig = field(init=False)
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -40,10 +44,14 @@ class Config:
     speculative: "SpeculativeConfig | None" = field(init=False)
 
     def __post_init__(self):
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model: {self.model!r} is not a directory")
-        self.hf_config = model_config_from_dir(self.model)
+        if is_gguf(self.model):
+            self.hf_config = model_config(gguf_model_config(self.model))
+        elif os.path.isdir(self.model):
+            self.hf_config = model_config_from_dir(self.model)
+        else:
+            raise ValueError(f"model: {self.model!r} is neither a checkpoint folder nor a .gguf file")
         self._check_ranges()
+        self.weight_block_size = self._resolve_quantization()
         self.torch_device = resolve_device(self.device)
         self._check_parallel()
         self.torch_dtype = self._resolve_dtype()
@@ -81,6 +89,42 @@ class Config:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+
+    def _resolve_quantization(self) -> tuple[int, int] | None:
+        """An FP8 checkpoint's block size (None: row scales computed at load, or no FP8)."""
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization: must be None or 'fp8', got {self.quantization!r}")
+        stored = _checkpoint_quantization(self.model)
+        if stored is None:
+            return None
+        method = stored.get("quant_method")
+        if method != "fp8":
+            raise ValueError(f"quantization_config.quant_method: {method!r} is not supported; supported: 'fp8'")
+        for name, supported in (("fmt", "e4m3"), ("activation_scheme", "dynamic")):
+            if stored.get(name, supported) != supported:
+                raise ValueError(f"quantization_config.{name}: {stored[name]!r} is not supported; supported: {supported!r}")
+        block = stored.get("weight_block_size")
+        if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config.weight_block_size: must be two positive integers, got {block!r}")
+        if block is None:  # per-tensor scales: not a layout the FP8 layers hold
+            raise ValueError("quantization_config.weight_block_size: FP8 checkpoints without block scales are not supported")
+        self.quantization = "fp8"
+        self._check_blocks(tuple(block))
+        return tuple(block)
+
+    def _check_blocks(self, block: tuple[int, int]) -> None:
+        """Each rank's part of each projection, and each part of a merged one, holds whole
+        blocks of the weight scales."""
+        hf, tp = self.hf_config, self.tensor_parallel_size
+        rows = {"q_proj": hf.num_attention_heads * hf.head_dim, "k_proj": hf.num_key_value_heads * hf.head_dim,
+                "gate_proj": hf.intermediate_size}
+        columns = {"o_proj": hf.num_attention_heads * hf.head_dim, "down_proj": hf.intermediate_size} if tp > 1 else {}
+        for sizes, dim in ((rows, 0), (columns, 1)):
+            for name, size in sizes.items():
+                if size % tp or size // tp % block[dim]:
+                    raise ValueError(f"quantization_config.weight_block_size: {name}'s {size} "
+                                     f"{'output' if dim == 0 else 'input'} features split over "
+                                     f"tensor_parallel_size {tp} do not fill whole blocks of {block[dim]}")
 
     def _check_parallel(self) -> None:
         """Heads and MLP features split evenly across ranks (none is replicated); each rank of
@@ -157,6 +201,14 @@ def _bounded_int(values: dict, name: str, low: int, high: int, default: int | No
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"speculative_config.{name}: must be an integer in [{low}, {high}], got {value!r}")
     return value
+
+
+def _checkpoint_quantization(model: str) -> dict | None:
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):  # a GGUF file
+        return None
+    with open(path) as f:
+        return json.load(f).get("quantization_config")
 
 
 def resolve_device(device: str) -> torch.device:

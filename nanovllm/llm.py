@@ -8,13 +8,13 @@ from nanovllm.engine.worker import serve_torchrun_rank
 
 class LLM(LLMEngine):
     """Offline and online generation from a Hugging Face checkpoint folder of Qwen3, Qwen2, Llama,
-    Mistral or Gemma (nanovllm.models.MODEL_REGISTRY).
+    Mistral or Gemma (nanovllm.models.MODEL_REGISTRY), or a GGUF file of one (docs/quantization.md).
 
     LLM(model_dir, device="auto", dtype="auto", max_num_seqs=256, max_num_batched_tokens=8192,
         max_model_len=4096, tensor_parallel_size=1, data_parallel_size=1, kvcache_block_size=128,
         num_kvcache_blocks=-1, gpu_memory_utilization=0.9, enable_prefix_caching=True,
         enforce_eager=False, load_format="auto", generation_config="auto", kv_cache_dtype="auto",
-        speculative_config=None)
+        speculative_config=None, quantization=None)
 
     device "auto" takes CUDA when present, else the CPU. dtype "auto" keeps the checkpoint's
     dtype (fp32 checkpoints run in bf16 on a GPU). The KV cache takes gpu_memory_utilization of
@@ -23,7 +23,8 @@ class LLM(LLMEngine):
     more than max_num_seqs full-length sequences need. load_format="dummy" fills the weights
     with random values from config.json alone. kv_cache_dtype="fp8" (or "fp8_e4m3") stores the
     KV cache as float8 e4m3 with the checkpoint's per-layer k_scale/v_scale, else 1.0
-    (docs/attention.md#fp8-kv-cache); "auto" keeps the model's dtype.
+    (docs/attention.md#fp8-kv-cache); "auto" keeps the model's dtype. quantization="fp8" holds
+    the projections' weights in FP8, quantized at load; FP8 checkpoints load as FP8 without it.
 
     Length: prompt + output <= max_model_len. A prompt of max_model_len tokens or more leaves
     no room for output and is rejected (ValueError naming `prompt`); a shorter one ends with

@@ -20,13 +20,16 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.speculative import DraftProposer, Speculator
 from nanovllm.engine.structured_outputs import GrammarCompiler
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.gguf import gguf_tokenizer, is_gguf
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(model_dir: str):
     """The checkpoint's tokenizer, or None for a folder without one (dummy-weight benchmarks),
-    where prompts must be token ids."""
+    where prompts must be token ids. A GGUF file carries its own."""
+    if is_gguf(model_dir):
+        return gguf_tokenizer(model_dir)
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

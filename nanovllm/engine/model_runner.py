@@ -28,6 +28,7 @@ from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.structured_outputs import bitmask_words, fill_bitmask
 from nanovllm.engine.worker import WorkerError, Workers, start_ranks, synchronize, wait_for
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.linear import weight_quantization
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import MODEL_REGISTRY
 from nanovllm.sampling_params import MAX_LOGPROBS
@@ -163,7 +164,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), weight_quantization(self.config.quantization, self.config.weight_block_size):
                 model = MODEL_REGISTRY[self.config.hf_config.architecture](self.config.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -514,6 +515,7 @@ def _drop_weight_loaders(model) -> None:
     collector runs. Nothing loads weights after the build."""
     for param in model.parameters():
         vars(param).pop("weight_loader", None)
+        vars(param).pop("quantize_from", None)
 
 
 def _shutdown(workers: Workers, graphs: CUDAGraphs) -> None:

@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import json
 import os
+import types
 
 from nanovllm.config import Config
 from nanovllm.entrypoints import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_REQUEST_BYTES
@@ -23,7 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=json_object, default=None,
                                help='a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
         else:
-            group.add_argument(flag, type=field.type, default=field.default, help=f"(default: {field.default})")
+            # An optional setting (str | None) takes its flag's value as the non-None type.
+            kind = field.type.__args__[0] if isinstance(field.type, types.UnionType) else field.type
+            group.add_argument(flag, type=kind, default=field.default, help=f"(default: {field.default})")
 
 
 def json_object(text: str) -> dict:
@@ -41,7 +44,7 @@ def engine_args(args: argparse.Namespace) -> dict:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="checkpoint folder (config.json, safetensors, tokenizer)")
+    parser.add_argument("model", help="checkpoint folder (config.json, safetensors, tokenizer) or .gguf file")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: loopback only; 0.0.0.0 exposes the server)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")

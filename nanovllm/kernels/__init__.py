@@ -5,7 +5,8 @@ ops.py (element-wise, norms, rotary, KV cache, attention, sampling), linear_ops.
 projections and which rows take the GEMV), moe_ops.py (mixtures of experts) and
 staging_layout.py (a step's inputs and tokens through pinned memory)."""
 from nanovllm.kernels.dispatch import KERNELS_AVAILABLE, backend_for, graph_capturable
-from nanovllm.kernels.linear_ops import (GEMV_MAX_ROWS, GEMV_ROW_MAX_ROWS, act_linear, embed_norm_linear, linear,
+from nanovllm.kernels.linear_ops import (GEMV_MAX_ROWS, GEMV_ROW_MAX_ROWS, act_linear, embed_norm_linear, fp8_linear,
+                                         linear,
                                          linear_act, norm_linear, small_batch_linear)
 from nanovllm.kernels.moe_ops import fused_moe, moe_align, moe_topk
 from nanovllm.kernels.ops import (apply_rotary_emb, element_wise_mul_add, fused_add_gelu, fused_add_rms_norm,
@@ -23,5 +24,5 @@ __all__ = [
     "sample", "small_batch_linear", "linear", "norm_linear", "embed_norm_linear", "linear_act", "act_linear",
     "GEMV_MAX_ROWS", "GEMV_ROW_MAX_ROWS",
     "staged_values", "staged_length", "stage_inputs", "publish_tokens", "STAGE_SLOT_MIN",
-    "moe_topk", "moe_align", "fused_moe",
+    "moe_topk", "moe_align", "fused_moe", "fp8_linear",
 ]

@@ -49,6 +49,7 @@ _TRITON_MODULES = {
     "embed_norm_linear": "gemv",
     "linear_act": "gemv",
     "act_linear": "gemv",
+    "fp8_linear": "fp8",
     "stage_inputs": "staging",
     "publish_tokens": "staging",
     "moe_topk": "moe",

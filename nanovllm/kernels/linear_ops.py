@@ -165,3 +165,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if dispatch.gemv_enabled and x.is_cuda and x.dtype in GEMV_DTYPES and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
         return small_batch_linear(x, weight, bias, prefetch)
     return F.linear(x, weight, bias)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for a float8_e4m3fn W times its fp32 multipliers `scale`: [N, 1] per output
+    row (block None) or one per block[0] x block[1] tile (kernels/fp8.py)."""
+    require(weight.dtype == torch.float8_e4m3fn, "weight", f"must be float8_e4m3fn, got {weight.dtype}")
+    return implementation("fp8_linear", x.device)(x, weight, scale, block, bias)

@@ -83,6 +83,44 @@ def act_linear(x, weight, bias=None, prefetch=None, activation="silu"):
     return small_batch_linear(_gated(x, activation), weight, bias)
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _expand_scales(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] | None) -> torch.Tensor:
+    """Per-element multipliers of an FP8 weight: scale [N, 1] per output row, or one per
+    block[0] x block[1] tile."""
+    if block is None:
+        return scale
+    rows, cols = shape
+    return scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (weight.float() * _expand_scales(scale, weight.shape, block)).to(dtype)
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, fp32 dequant multipliers): each output row's, or each block's, largest
+    magnitude maps to FP8_MAX."""
+    w = weight.float()
+    if block is None:
+        amax = w.abs().amax(dim=1, keepdim=True)
+    else:
+        rows, cols = w.shape
+        padded = F.pad(w.abs(), (0, -cols % block[1], 0, -rows % block[0]))
+        amax = padded.unflatten(1, (-1, block[1])).unflatten(0, (-1, block[0])).amax(dim=(1, 3))
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    q = (w / _expand_scales(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Where FP8 matmuls do not run: the weight dequantized to x's dtype, activations as they are."""
+    return F.linear(x, dequantize_fp8(weight, scale, block, x.dtype), bias)
+
+
 def apply_rotary_emb(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     # index_select rather than advanced indexing: the latter is far slower on the CPU.
     cos, sin = cos_sin_cache.index_select(0, positions.long()).chunk(2, dim=-1)

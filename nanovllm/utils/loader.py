@@ -1,5 +1,6 @@
-"""Fills a model's parameters from safetensors files (single or sharded), or with random
-values for load_format="dummy". Pickled checkpoints are never read."""
+"""Fills a model's parameters from safetensors files (single or sharded), a GGUF file
+(nanovllm.utils.gguf), or with random values for load_format="dummy". Pickled checkpoints are
+never read."""
 import glob
 import json
 import math
@@ -9,6 +10,8 @@ import re
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from nanovllm.utils.gguf import gguf_tensors, is_gguf
 
 
 # An attention layer's FP8 KV-cache scale as HF and vLLM checkpoints name it: no parameter of
@@ -55,22 +58,29 @@ def checkpoint_names(model: nn.Module, remove_duplicate: bool = True) -> dict[st
     return names
 
 
-def load_model(model: nn.Module, model_dir: str) -> None:
+def safetensors_tensors(model_dir: str):
+    """(name, tensor) for every tensor of the folder's safetensors files."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model: nn.Module, model_path: str) -> None:
     """Errors name the checkpoint tensor: missing, unexpected or of the wrong shape."""
     params = dict(model.named_parameters(remove_duplicate=False))
     # Tied parameters appear once in `required` but may also come under their other names.
     accepted, required = checkpoint_names(model, remove_duplicate=False), set(checkpoint_names(model))
     loaded = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name not in accepted:
-                    if _KV_SCALE_NAME.search(name):
-                        continue
-                    raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
-                param_name, shard_id = accepted[name]
-                _load_one(params[param_name], f.get_tensor(name), name, shard_id)
-                loaded.add(name)
+    tensors = gguf_tensors(model_path, accepted) if is_gguf(model_path) else safetensors_tensors(model_path)
+    for name, tensor in tensors:
+        if name not in accepted:
+            if _KV_SCALE_NAME.search(name):
+                continue
+            raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
+        param_name, shard_id = accepted[name]
+        _load_one(params[param_name], tensor, name, shard_id)
+        loaded.add(name)
     missing = sorted(required - loaded - _aliases_of(model, loaded, accepted))
     if missing:
         raise ValueError(f"model: checkpoint lacks tensor(s) {', '.join(missing[:8])}")
@@ -78,8 +88,10 @@ def load_model(model: nn.Module, model_dir: str) -> None:
 
 def kv_cache_scales(model_dir: str) -> dict[int, dict[str, float]]:
     """Decoder layer index -> {"k": k_scale, "v": v_scale} of the checkpoint's per-tensor KV
-    scales (model.layers.N.self_attn.k_scale), as far as it has them."""
+    scales (model.layers.N.self_attn.k_scale), as far as it has them; a GGUF file has none."""
     scales = {}
+    if is_gguf(model_dir):
+        return scales
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -116,9 +128,19 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     generators = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if hasattr(param, "quantize_from"):  # an FP8 weight: its scales come with it
+                values = torch.empty(param.shape, dtype=param.compute_dtype, device=param.device)
+                param.quantize_from(values.normal_(0.0, 0.02, generator=_generator(generators, param.device, seed)))
+                continue
+            if name.endswith("weight_scale_inv"):
+                continue
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
-            if param.device not in generators:
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, 0.02, generator=generators[param.device])
+            param.normal_(0.0, 0.02, generator=_generator(generators, param.device, seed))
+
+
+def _generator(generators: dict, device: torch.device, seed: int) -> torch.Generator:
+    if device not in generators:
+        generators[device] = torch.Generator(device=device).manual_seed(seed)
+    return generators[device]

@@ -102,3 +102,15 @@ def test_chat_through_chunked_prefill_preemption_and_prefix_cache(smollm2_checkp
     assert_outputs_match(generate_greedy(llm, prompts), expected, tokenizer)
     stats = llm.memory_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_blocks"] > 0
+
+
+def test_gguf_file_answers_as_transformers_on_its_dequantized_weights(smollm2_checkpoint, new_llm, prompts,
+                                                                      expected, tokenizer):
+    """The GGUF file itself (Q4_1 and Q8_0 blocks, Llama's interleaved q/k rows, tokenizer and
+    chat template inside) in the engine: the same chat prompt text and answers."""
+    import smollm2
+    llm = new_llm(smollm2.gguf_file())
+    assert [llm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            for chat in CHATS] == prompts
+    assert llm.tokenizer.eos_token == smollm2.EOS_TOKEN
+    assert_outputs_match(generate_greedy(llm, prompts), expected, tokenizer)

@@ -34,7 +34,10 @@ def _reader(path: str):
 
 @functools.lru_cache(maxsize=1)
 def _cached_reader(path: str, mtime_ns: int):
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("model: reading a GGUF file needs the gguf package: pip install 'nanovllm[gguf]'") from None
     return gguf.GGUFReader(path)  # memory-mapped: tensors are read when dequantized
 
 

@@ -50,7 +50,7 @@ SCHEMAS = [
         "required": ["user"]},
      {"user": {"id": 42, "address": {"street": "1600 Amphitheatre Parkway", "city": "Mountain View",
                                      "zip": "94043", "country": "US"},
-               "tags": ["admin", "beta-tester", "early-adopter", "reviewer", "maintainer"]}}),
+               "tags": ["admin", "beta-tester", "early-adopter", "editor", "maintainer"]}}),
     ("anyOf", {"type": "object", "properties": {"items": {"type": "array", "items": {"anyOf": [
         {"type": "object", "properties": {"kind": {"const": "text"}, "text": {"type": "string"}},
          "required": ["kind", "text"]},

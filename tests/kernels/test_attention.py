@@ -630,11 +630,13 @@ def test_split_decode_grids_pipeline_deeper():
 
 # --- the CUDA C++ decode kernel (kernels/cuda/paged_decode.py), heads of 64 -------------------
 
-def cuda_decode_module():
+def cuda_decode_module(required: bool = False):
+    """(the launcher module, the built extension); without a build, a skip, or with `required`
+    a failure."""
     from nanovllm.kernels.cuda import paged_decode
     ext = paged_decode.module()
     if ext is None:
-        pytest.skip("the CUDA C++ kernels do not build here")
+        (pytest.fail if required else pytest.skip)("the CUDA C++ decode kernel did not build here")
     return paged_decode, ext
 
 

@@ -6,7 +6,7 @@ GPU, where the CUDA C++ decode kernel is also checked against the Triton one."""
 import pytest
 import torch
 from kernel_testing import TARGETS, capture_and_replay, require_triton
-from test_attention import Case, assert_close, expected, make_case
+from test_attention import Case, assert_close, cuda_decode_module, expected, make_case
 from test_decode_attention import _decode_step
 
 from nanovllm import kernels
@@ -231,14 +231,6 @@ def test_paged_attention_gpu(heads, head_dim, block_size, dtype):
     check_attention(decode, 0.1, 0.5)
 
 
-def _cuda_decode():
-    from nanovllm.kernels.cuda import paged_decode
-    ext = paged_decode.module()
-    if ext is None:
-        pytest.fail("the CUDA C++ decode kernel did not build")
-    return paged_decode, ext
-
-
 @gpu
 @pytest.mark.parametrize("heads,block_size,dtype", [((14, 2), 16, torch.bfloat16), ((16, 1), 64, torch.bfloat16),
                                                     ((4, 4), 32, torch.float16), ((32, 8), 128, torch.bfloat16)])
@@ -246,7 +238,7 @@ def test_cuda_decode_matches_triton_gpu(heads, block_size, dtype):
     """The CUDA C++ kernel over a float8 cache: sequences shorter than a chunk, of whole chunks,
     longer than one warp's 32 block ids, empty, and without a query row; with and without PDL.
     Against the float64 reference and Triton's unsplit decode of the same cache."""
-    paged_decode, ext = _cuda_decode()
+    paged_decode, ext = cuda_decode_module(required=True)
     shape = [(1, n) for n in (1, 0, 15, 16, 17, 129, 4097, 512, 33, 300)] + [(0, 40), (1, 9000)]
     quantised, dequantised = fp8_case(make_case(shape, heads, 64, block_size, dtype, "cuda", spare_columns=3),
                                       1 / 64, 3.0)
@@ -268,7 +260,7 @@ def test_cuda_decode_matches_triton_gpu(heads, block_size, dtype):
 
 @gpu
 def test_cuda_decode_serves_fp8_through_paged_attention_gpu(monkeypatch):
-    paged_decode, _ = _cuda_decode()
+    paged_decode, _ = cuda_decode_module(required=True)
     served = []
     kernel = paged_decode.paged_decode
     monkeypatch.setattr(paged_decode, "paged_decode", lambda *a, **kw: served.append(1) or kernel(*a, **kw))

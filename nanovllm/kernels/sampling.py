@@ -397,7 +397,9 @@ def _ranked_tokens(row_ptr, vocab, row, edits, group_row, num_groups, gid_row, c
     floor = tl.min(tl.where(live_slots, _orderable(tl.load(group_row + gids, mask=live_slots & (gids < num_groups),
                                                                    other=float("-inf"))), 0xFFFFFFFF), axis=0)
     ids = gids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = _load_logits(row_ptr, tl.where(live_slots[:, None], ids, vocab), vocab, row, edits, MASKED, PENALIZED)
+    # dead slots read group 0's tokens (in bounds) and drop them after: a where on the addresses fails to
+    # compile (MLIR dominance) at K_PAD 1024 in Triton 3.6
+    x = tl.where(live_slots[:, None], _load_logits(row_ptr, ids, vocab, row, edits, MASKED, PENALIZED), float("-inf"))
     live = tl.reshape(tl.broadcast_to(live_slots[:, None], [K_PAD, GROUP]), [K_PAD * GROUP])
     keys = tl.where(live, tl.reshape(_orderable(x), [K_PAD * GROUP]), 0)
     # rank by (logit desc, id asc): one uint64 key, the id's complement below the logit's

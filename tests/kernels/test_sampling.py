@@ -559,3 +559,35 @@ def test_sampler_cuda_falls_back_to_triton_where_it_cannot_build(monkeypatch, fr
             assert dispatch._implementation("sample", "cpu") is sampling.sample
     finally:
         dispatch._implementation.cache_clear()
+
+
+@pytest.mark.parametrize("edited", [False, True], ids=["plain", "masked_penalized"])
+def test_finalize_compiles_for_hopper_at_the_largest_k_pad(edited):
+    """The interpreter runs no MLIR pass, so a kernel it accepts can still fail to compile for a
+    GPU: the finalize at SORT_FREE_TOP_K's k_pad (its largest tensors) built for sm_90 here."""
+    compiler = pytest.importorskip("triton.compiler")
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    kernel = getattr(sampling._finalize_kernel, "kernel", sampling._finalize_kernel)
+    vocab, k_pad = 151_936, sampling.next_power_of_2(sampling.SORT_FREE_TOP_K)
+    buffers = sampling._buffers(1, vocab, k_pad, "meta")
+    constexprs = dict(
+        HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, MASKED=edited, PENALIZED=edited, LOGPROBS=False,
+        GROUPS=True, CHUNKS=sampling.next_power_of_2(buffers["chunks"]),
+        GROUPS_PAD=sampling.next_power_of_2(buffers["groups"]), K_PAD=k_pad, TILE=buffers["tile"],
+        DIGIT=sampling.RADIX_BITS, GROUP=sampling.GROUP, NOISE_BLOCK=sampling.noise_block(vocab),
+        ROUNDS=sampling.PHILOX_ROUNDS, U_MAX=sampling.U_MAX, LOG2E=sampling.LOG2E, PDL=False, logprobs_ptr=None)
+    if not edited:
+        constexprs.update(dict.fromkeys(("bitmask_ptr", "penalty_rows_ptr", "presence_ptr", "frequency_ptr",
+                                         "repetition_ptr", "counts_ptr", "prompt_ptr")))
+    integer_pointers = {"seeds_ptr": "*i64", "ranked_ptr": "*i64", "tokens_ptr": "*i64", "top_ks_ptr": "*i32",
+                        "index_ptr": "*i32", "tile_key_ptr": "*i32", "gid_ptr": "*i32", "bitmask_ptr": "*i32",
+                        "penalty_rows_ptr": "*i32", "counts_ptr": "*i32", "prompt_ptr": "*i32"}
+    signature = {name: "constexpr" if name in constexprs else
+                 integer_pointers.get(name, "*fp32") if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
+    signature["logits_ptr"] = "*bf16"
+    source = compiler.ASTSource(kernel, signature,
+                                constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+    assert compiler.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]

@@ -744,7 +744,7 @@ class Server(uvicorn.Server):
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket (port 0: the OS picks one). Made with proto IPPROTO_TCP: asyncio
     sets TCP_NODELAY only on such sockets, and without it a response's body waits for the
-    client's delayed ACK of its headers (40 ms)."""
+    client's delayed ACK of its headers."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

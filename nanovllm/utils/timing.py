@@ -49,8 +49,9 @@ def capture(fn, calls: int = 1, warmup: int = 1):
 def device_copy_gbs(device="cuda", nbytes: int = 1 << 30) -> float:
     """The device's copy rate in GB/s: a device-to-device copy of `nbytes` (1 GiB), counting
     the bytes read and written, the median of 20 eager copies. Eager, not replayed from a
-    graph: replayed, the same 1 GiB copy measured 2.6 TB/s on an H200 where eager copies gave
-    4.25 TB/s. On the CPU a wall clock times a plain copy (a rough figure, for smoke runs)."""
+    graph: a replayed copy measures well below the eager one, which would understate the
+    device (docs/rejected.md). On the CPU a wall clock times a plain copy (a rough figure, for
+    smoke runs)."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
     dst = torch.empty_like(src)
     on_cuda = src.is_cuda
@@ -76,7 +77,7 @@ def clone_arguments(args, kwargs=None):
     original's whole storage, at the same offset and strides, and arguments that share a
     storage share the copy. Views of one packed qkv output thus stay one buffer, as in the
     model; cloned one by one, their rows would start at the same offsets of separate buffers
-    and fall on fewer memory channels (10% slower on an H100). A view of a large buffer (one
+    and fall on fewer memory channels, which slows them. A view of a large buffer (one
     layer's slice of a whole KV cache) costs a copy of all of it."""
     storages = {}
 

@@ -25,7 +25,7 @@ from nanovllm.engine.sampled_tokens import SampledTokens, pinned_copy, pack_logp
 from nanovllm.engine.sampling_inputs import SamplingInputs, TokenCounts
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.engine.structured_outputs import bitmask_words, fill_bitmask
+from nanovllm.engine.structured_outputs import BitmaskStaging, accept_unseen
 from nanovllm.engine.worker import WorkerError, Workers, start_ranks, synchronize, wait_for
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.linear import weight_quantization
@@ -120,9 +120,7 @@ class ModelRunner:
         self._publish_row: int | None = None  # the last launched step's row, None when it sampled nothing
         self._last_logprobs: torch.Tensor | None = None  # rank 0's, packed (pack_logprobs), when rows asked
         self._last_sample_rows: dict[int, int] = {}  # each sampling request's row in last_tokens
-        self._bitmasks: torch.Tensor | None = None  # host buffers of constrained steps' token bitmasks
-        self._bitmask_copies = 0
-        self._bitmask_copied: list[torch.cuda.Event | None] = [None, None]
+        self.bitmasks = BitmaskStaging(self.config.hf_config.vocab_size, rows, self.device, self.pin)
         if self.device.type == "cuda" and not self.config.enforce_eager and kernels.graph_capturable(self.device):
             self._capture_graphs()
         if self.device.type == "cuda" and kernels.backend_for(self.device) == "triton":
@@ -331,28 +329,8 @@ class ModelRunner:
         """The sampled rows' allowed tokens ([B, words] int32 on the device; all for rows without
         a constraint). Each constraint first accepts the tokens it has not seen; the last may be
         in flight, sampled by the step before: only then does this wait for that step."""
-        for seq in seqs:
-            if seq.constraint is None:
-                continue
-            unseen = seq.token_ids[seq.constraint.position:]
-            if unseen and unseen[-1] == PLACEHOLDER:
-                unseen[-1] = previous.tolist()[self._last_sample_rows[seq.request_id]]
-            seq.constraint.accept(unseen)
-        if self._bitmasks is None:  # pinned: the copy to the device does not wait for it
-            words = bitmask_words(self.config.hf_config.vocab_size)
-            self._bitmasks = torch.empty(2, self.config.max_num_seqs, words, dtype=torch.int32, pin_memory=self.pin)
-        # Two buffers taken in turn; one is written again only once its copy has left it.
-        slot = self._bitmask_copies % 2
-        if self._bitmask_copied[slot] is not None:
-            self._bitmask_copied[slot].synchronize()
-        host = self._bitmasks[slot, :len(seqs)]
-        fill_bitmask([seq.constraint for seq in seqs], host)
-        allowed = host.to(self.device, non_blocking=True)
-        if self.pin:
-            self._bitmask_copied[slot] = torch.cuda.Event()
-            self._bitmask_copied[slot].record()
-        self._bitmask_copies += 1
-        return allowed
+        accept_unseen(seqs, lambda seq: previous.tolist()[self._last_sample_rows[seq.request_id]])
+        return self.bitmasks.to_device([seq.constraint for seq in seqs])
 
     def _sample(self, logits: torch.Tensor, seqs, sampling: SamplingInputs, allowed: torch.Tensor | None = None):
         """-> (token ids [B], packed log-probabilities or None when no row asks). `allowed`:

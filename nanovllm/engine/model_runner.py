@@ -24,9 +24,9 @@ from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.sampled_tokens import SampledTokens, pinned_copy, pack_logprobs
 from nanovllm.engine.sampling_inputs import SamplingInputs, TokenCounts
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.sequence import PLACEHOLDER
 from nanovllm.engine.structured_outputs import BitmaskStaging, accept_unseen
-from nanovllm.engine.worker import WorkerError, Workers, start_ranks, synchronize, wait_for
+from nanovllm.engine.worker import WorkerError, Workers, shutdown_ranks, start_ranks, synchronize, wait_for
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.linear import weight_quantization
 from nanovllm.layers.sampler import Sampler
@@ -86,7 +86,7 @@ class ModelRunner:
             self.workers = start_ranks(type(self), config)
             # Stops the ranks when the engine is closed, collected, or the interpreter exits
             # (registered after multiprocessing's exit hook, so it runs before it).
-            self._shutdown = weakref.finalize(self, _shutdown, self.workers, self.graphs)
+            self._shutdown = weakref.finalize(self, shutdown_ranks, self.workers, self.graphs)
             atexit.register(self._shutdown)
         try:
             self._build()
@@ -372,17 +372,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if logits is None:
             return
-        vocab = self.config.hf_config.vocab_size
-        counts = TokenCounts(vocab, self.device)  # the warm-up's own: its requests never finish
-        draws = [functools.partial(self._sample, logits, [seq], SamplingInputs([seq], vocab, self.noise_rng, counts))
-                 for seq in (Sequence(i, [0], params) for i, params in enumerate(sampler_warmup.warmup_params()))]
-        draws[0]()  # alone: a kernel's first launch sets up its caches
-        sampler_warmup.in_parallel(draws[1:], self.device)
-        for count in sampler_warmup.SPECIALIZED_COUNTS:
-            if count <= self.config.max_num_seqs:
-                kernels.publish_tokens(torch.zeros(count, dtype=torch.long, device=self.device), self.last_tokens,
-                                       self.sampled_host, self.publish_parity)
-        self.publish_parity.zero_()  # the host counts publishes from 0
+        sampler_warmup.draw_every_variant(functools.partial(self._sample, logits), self.config.hf_config.vocab_size,
+                                          self.noise_rng, self.device)
+        sampler_warmup.publish_every_count((self.last_tokens, self.sampled_host, self.publish_parity),
+                                           self.config.max_num_seqs, self.device)
         self._synchronize()
 
     def _capture_graphs(self) -> None:
@@ -406,16 +399,3 @@ def _drop_weight_loaders(model) -> None:
     for param in model.parameters():
         vars(param).pop("weight_loader", None)
         vars(param).pop("quantize_from", None)
-
-
-def _shutdown(workers: Workers, graphs: CUDAGraphs) -> None:
-    """Rank 0's end of a tensor-parallel engine."""
-    failed = workers.failure is not None
-    workers.stop()
-    if failed:  # the lost rank's collectives never finish: abort them before anything waits for them
-        distributed.destroy(abort=True)
-        graphs.clear()
-    else:  # NCCL communicators go after the graphs captured with them
-        graphs.clear()
-        distributed.destroy()
-    workers.join()

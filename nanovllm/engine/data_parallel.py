@@ -14,7 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer, split_requests
+from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
+from nanovllm.engine.prompts import split_requests
 from nanovllm.engine.worker import Workers, report_failure, serve, start_child
 from nanovllm.sampling_params import SamplingParams
 

@@ -3,17 +3,15 @@ schedule -> forward + sample -> record until every request is done."""
 import dataclasses
 import itertools
 import json
-import operator
 import os
 import time
 from collections import deque
 
-import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.prompts import prompt_token_ids, split_requests
 from nanovllm.engine.sampled_tokens import SampledTokens
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -117,30 +115,6 @@ class LLMEngine:
         return target, Speculator(spec, DraftProposer(draft))
 
     # --- requests --------------------------------------------------------------------------
-    def _prompt_token_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model folder has no tokenizer; pass token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (np.ndarray, torch.Tensor)):
-            if prompt.ndim != 1 or not _integer_array(prompt):
-                raise ValueError(f"prompt: an array of token ids must be 1-D and integer, "
-                                 f"got shape {tuple(prompt.shape)} of {prompt.dtype}")
-            token_ids = prompt.tolist()
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = [_as_int(t) for t in prompt]
-        else:
-            raise ValueError(f"prompt: expected a string or token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt: is empty")
-        vocab = self.config.hf_config.vocab_size
-        if not all(0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room for any output under "
-                             f"max_model_len={self.config.max_model_len} (prompt + output <= max_model_len)")
-        return token_ids
-
     def _sampling_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's SamplingParams, checked against the vocabulary. A top_k of the whole
         vocabulary or more becomes -1: it keeps every token, and the sampler's tensors then
@@ -173,7 +147,7 @@ class LLMEngine:
 
     def _new_sequence(self, prompt, params: SamplingParams | None) -> Sequence:
         params = self._sampling_params(params)
-        seq = Sequence(next(self._request_ids), self._prompt_token_ids(prompt), params)
+        seq = Sequence(next(self._request_ids), prompt_token_ids(prompt, self.tokenizer, self.config), params)
         if params.structured_outputs is not None:
             seq.constraint = self._grammar_compiler().constraint(params.structured_outputs, seq.num_prompt_tokens)
         return seq
@@ -347,57 +321,3 @@ def check_draft_tokenizer(target, draft) -> None:
     if (target is None) != (draft is None) or target is not None and target.get_vocab() != draft.get_vocab():
         raise ValueError("speculative_config.model: the draft model's tokenizer differs from the target's")
 
-
-def split_requests(prompts, sampling_params) -> tuple[list, list]:
-    """generate()'s arguments as a list of single prompts and a list of their SamplingParams."""
-    prompts = split_prompts(prompts)
-    if not isinstance(sampling_params, list):
-        return prompts, [sampling_params] * len(prompts)
-    if len(sampling_params) != len(prompts):
-        raise ValueError("sampling_params: needs one entry per prompt")
-    return prompts, sampling_params
-
-
-def split_prompts(prompts) -> list:
-    """generate()'s `prompts` as a list of single prompts. One prompt is a string, a list of
-    token ids or a 1-D integer array or tensor; a batch is a non-empty list of prompts or a 2-D
-    integer array or tensor (a prompt per row)."""
-    if isinstance(prompts, (np.ndarray, torch.Tensor)):
-        batch = [prompts] if prompts.ndim == 1 else list(prompts) if prompts.ndim == 2 else None
-    elif isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(map(_is_token_id, prompts)):
-        batch = [prompts]
-    else:
-        batch = prompts
-    if not isinstance(batch, (list, tuple)) or not batch or not all(map(_is_prompt, batch)):
-        raise ValueError("prompts: expected a prompt (a string, token ids, a 1-D integer array or tensor), "
-                         "a non-empty list of prompts or a 2-D integer array or tensor")
-    return list(batch)
-
-
-def _integer_array(array) -> bool:
-    if isinstance(array, torch.Tensor):
-        return not (array.dtype.is_floating_point or array.dtype.is_complex or array.dtype == torch.bool)
-    return np.issubdtype(array.dtype, np.integer)
-
-
-def _is_token_id(token) -> bool:
-    """Any integer (Python, numpy, a 0-d array or tensor) but a bool."""
-    if isinstance(token, bool) or getattr(token, "ndim", 0):  # torch.tensor([3]) has an __index__
-        return False
-    try:
-        operator.index(token)
-    except TypeError:
-        return False
-    return True
-
-
-def _is_prompt(prompt) -> bool:
-    if isinstance(prompt, (np.ndarray, torch.Tensor)):
-        return prompt.ndim == 1 and _integer_array(prompt)
-    return isinstance(prompt, (str, list, tuple))
-
-
-def _as_int(token) -> int:
-    if not _is_token_id(token):
-        raise ValueError(f"prompt: token ids must be integers, got {token!r}")
-    return operator.index(token)

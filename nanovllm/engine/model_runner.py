@@ -18,22 +18,21 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm import distributed, kernels
-from nanovllm.config import CPU_KV_CACHE_BYTES, Config
-from nanovllm.engine import sampler_warmup
+from nanovllm.config import Config
+from nanovllm.engine import kv_cache, sampler_warmup
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.sampled_tokens import SampledTokens, pinned_copy, pack_logprobs
 from nanovllm.engine.sampling_inputs import SamplingInputs, TokenCounts
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.engine.structured_outputs import bitmask_words, fill_bitmask
-from nanovllm.engine.worker import WorkerError, Workers, start_ranks, synchronize, wait_for
+from nanovllm.engine.sequence import PLACEHOLDER
+from nanovllm.engine.structured_outputs import BitmaskStaging, accept_unseen
+from nanovllm.engine.worker import WorkerError, Workers, shutdown_ranks, start_ranks, synchronize, wait_for
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.linear import weight_quantization
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import MODEL_REGISTRY
-from nanovllm.sampling_params import MAX_LOGPROBS
 from nanovllm.utils.context import reset_context, set_context
-from nanovllm.utils.loader import init_dummy_weights, kv_cache_scales, load_model
+from nanovllm.utils.loader import init_dummy_weights, load_model
 
 # What a closed runner keeps: the settings and its ranks' handle, no tensor.
 _KEPT_WHEN_CLOSED = {"config", "rank", "draft_block_bytes", "tp_size", "device", "dtype", "closed", "workers"}
@@ -74,9 +73,8 @@ class ModelRunner:
         self.config, self.rank, self.draft_block_bytes = config, rank, draft_block_bytes
         self.tp_size = config.tensor_parallel_size
         self.device, self.dtype = config.torch_device, config.torch_dtype  # "cuda": this rank's GPU
-        self.kv_cache_dtype = config.torch_kv_cache_dtype
         self.block_size = config.kvcache_block_size
-        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.max_blocks_per_seq = kv_cache.max_blocks_per_seq(config)
         self.pin = self.device.type == "cuda"
         self.graphs = CUDAGraphs()
         self.workers: Workers | None = None
@@ -88,7 +86,7 @@ class ModelRunner:
             self.workers = start_ranks(type(self), config)
             # Stops the ranks when the engine is closed, collected, or the interpreter exits
             # (registered after multiprocessing's exit hook, so it runs before it).
-            self._shutdown = weakref.finalize(self, _shutdown, self.workers, self.graphs)
+            self._shutdown = weakref.finalize(self, shutdown_ranks, self.workers, self.graphs)
             atexit.register(self._shutdown)
         try:
             self._build()
@@ -108,7 +106,7 @@ class ModelRunner:
         self.noise_rng = random.Random()  # seeds the noise of unseeded requests, from OS entropy
         self.token_counts = TokenCounts(self.config.hf_config.vocab_size, self.device)  # of penalized requests
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self._set_kv_cache_scales()
+        kv_cache.set_scales(self.config, self.attention_layers)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         # A step's samples land in last_tokens on every rank, where the next step's input ids
         # that wait for them are read; rank 0 also publishes them to the host in a row of
@@ -122,9 +120,7 @@ class ModelRunner:
         self._publish_row: int | None = None  # the last launched step's row, None when it sampled nothing
         self._last_logprobs: torch.Tensor | None = None  # rank 0's, packed (pack_logprobs), when rows asked
         self._last_sample_rows: dict[int, int] = {}  # each sampling request's row in last_tokens
-        self._bitmasks: torch.Tensor | None = None  # host buffers of constrained steps' token bitmasks
-        self._bitmask_copies = 0
-        self._bitmask_copied: list[torch.cuda.Event | None] = [None, None]
+        self.bitmasks = BitmaskStaging(self.config.hf_config.vocab_size, rows, self.device, self.pin)
         if self.device.type == "cuda" and not self.config.enforce_eager and kernels.graph_capturable(self.device):
             self._capture_graphs()
         if self.device.type == "cuda" and kernels.backend_for(self.device) == "triton":
@@ -175,109 +171,23 @@ class ModelRunner:
         _drop_weight_loaders(model)
         return model.eval()
 
-    def _set_kv_cache_scales(self) -> None:
-        """A float8 cache takes the checkpoint's per-tensor scales, where it has them (else 1.0)."""
-        if self.kv_cache_dtype.itemsize != 1 or self.config.load_format == "dummy":
-            return
-        for index, scales in kv_cache_scales(self.config.model).items():
-            if index >= len(self.attention_layers):
-                raise ValueError(f"model: checkpoint has KV scales of layer {index}, the model "
-                                 f"{len(self.attention_layers)} attention layers")
-            layer = self.attention_layers[index]
-            layer.k_scale, layer.v_scale = scales.get("k", 1.0), scales.get("v", 1.0)
-
     def block_bytes(self) -> int:
-        hf = self.config.hf_config
-        per_token = 2 * hf.num_hidden_layers * self.num_kv_heads * hf.head_dim * self.kv_cache_dtype.itemsize
-        return per_token * self.block_size
-
-    @property
-    def num_kv_heads(self) -> int:
-        """Of this rank: its cache holds its share of the heads."""
-        return self.config.hf_config.num_key_value_heads // self.tp_size
+        return kv_cache.block_bytes(self.config)
 
     def _allocate_kv_cache(self) -> int:
-        num_blocks, field = self.config.num_kvcache_blocks, "num_kvcache_blocks"
-        if num_blocks <= 0 and self.device.type == "cuda":
-            num_blocks, field = self._blocks_from_gpu_memory(), "gpu_memory_utilization"
-        elif num_blocks <= 0:
-            num_blocks = self._cpu_default_blocks()
-        if self.tp_size > 1:  # the scheduler's block ids must fit every rank's cache
-            num_blocks = self._min_across_ranks(num_blocks)
-        if num_blocks < self.max_blocks_per_seq:
-            raise ValueError(f"{field}: leaves room for {max(num_blocks, 0)} KV blocks of {self.block_size} tokens; "
-                             f"one sequence of max_model_len={self.config.max_model_len} needs {self.max_blocks_per_seq}")
-        self._bind_kv_cache(num_blocks)
+        num_blocks = kv_cache.count_blocks(self.config, self.model, self.sampler, self.attention_layers,
+                                           self.block_bytes() + self.draft_block_bytes, self.workers)
+        self.kv_cache = kv_cache.allocate(self.config, self.attention_layers, num_blocks)
         return num_blocks
-
-    def _cpu_default_blocks(self) -> int:
-        """A CPU_KV_CACHE_BYTES budget, but no more than max_num_seqs full-length sequences use."""
-        needed = self.config.max_num_seqs * self.max_blocks_per_seq
-        return max(1, min(CPU_KV_CACHE_BYTES // (self.block_bytes() + self.draft_block_bytes), needed))
-
-    def _bind_kv_cache(self, num_blocks: int) -> None:
-        hf = self.config.hf_config
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, self.num_kv_heads, hf.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     def resize_kv_cache(self, num_blocks: int, capture_graphs: bool) -> None:
         """A draft model's cache takes its target's block count; its graphs, captured with the
         cache they write, come after."""
         del self.kv_cache
-        self._bind_kv_cache(num_blocks)
+        self.kv_cache = kv_cache.allocate(self.config, self.attention_layers, num_blocks)
         self.num_kvcache_blocks = num_blocks
         if capture_graphs and self.device.type == "cuda" and kernels.graph_capturable(self.device):
             self._capture_graphs()
-
-    def _blocks_from_gpu_memory(self) -> int:
-        """Runs the largest step the scheduler can produce (with a temporary cache just large
-        enough for it) and the sampling of a full decode batch, then gives the cache what is
-        left of gpu_memory_utilization."""
-        seq_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
-        num_seqs = -(-self.config.max_num_batched_tokens // seq_len)
-        torch.cuda.empty_cache()
-        self._bind_kv_cache(num_seqs * self.max_blocks_per_seq)
-        # Weights and the temporary cache are in `base`; the peak above it is the activations.
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._warmup(num_seqs, seq_len)
-        self._synchronize()
-        peak_activations = torch.cuda.max_memory_allocated(self.device) - base
-        del self.kv_cache
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        weights_and_others = total - free
-        budget = total * self.config.gpu_memory_utilization - weights_and_others - peak_activations
-        return int(budget // (self.block_bytes() + self.draft_block_bytes))
-
-    @torch.inference_mode()
-    def _warmup(self, num_seqs: int, seq_len: int) -> None:
-        device = self.device
-        tokens = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=device)
-        positions = torch.arange(seq_len, device=device).repeat(num_seqs)
-        tables = torch.arange(num_seqs * self.max_blocks_per_seq, dtype=torch.int32, device=device).view(num_seqs, -1)
-        slots = (tables[:, :, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten(1)
-        set_context(cu_seqlens_q=torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=device),
-                    seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
-                    block_tables=tables, max_seqlen_q=seq_len, slot_mapping=slots[:, :seq_len].flatten().long())
-        hidden = self.model(tokens, positions)
-        reset_context()
-        # A full decode batch samples this many rows, with filters and every row asking for the
-        # most log-probabilities: top_logprobs' log_softmax over the vocabulary is sampling's peak.
-        rows = self.config.max_num_seqs
-        logits = self.model.compute_logits(hidden[-1:].expand(rows, -1))
-        if logits is not None:  # None on ranks other than 0, which do not sample
-            ones = torch.ones(rows, device=device)
-            self.sampler(logits, ones, torch.zeros(rows, dtype=torch.long, device=device),
-                         torch.full((rows,), 50, device=device), ones * 0.9, logprobs=True,
-                         top_rows=torch.arange(rows, device=device), num_top=MAX_LOGPROBS)
-
-    def _min_across_ranks(self, value: int) -> int:
-        value = distributed.all_reduce(torch.tensor([value], device=self.device), op=torch.distributed.ReduceOp.MIN)
-        self._synchronize()
-        return int(value.item())
 
     def _synchronize(self) -> None:
         """Waits for the device; rank 0 of several raises meanwhile if another rank fails."""
@@ -419,28 +329,8 @@ class ModelRunner:
         """The sampled rows' allowed tokens ([B, words] int32 on the device; all for rows without
         a constraint). Each constraint first accepts the tokens it has not seen; the last may be
         in flight, sampled by the step before: only then does this wait for that step."""
-        for seq in seqs:
-            if seq.constraint is None:
-                continue
-            unseen = seq.token_ids[seq.constraint.position:]
-            if unseen and unseen[-1] == PLACEHOLDER:
-                unseen[-1] = previous.tolist()[self._last_sample_rows[seq.request_id]]
-            seq.constraint.accept(unseen)
-        if self._bitmasks is None:  # pinned: the copy to the device does not wait for it
-            words = bitmask_words(self.config.hf_config.vocab_size)
-            self._bitmasks = torch.empty(2, self.config.max_num_seqs, words, dtype=torch.int32, pin_memory=self.pin)
-        # Two buffers taken in turn; one is written again only once its copy has left it.
-        slot = self._bitmask_copies % 2
-        if self._bitmask_copied[slot] is not None:
-            self._bitmask_copied[slot].synchronize()
-        host = self._bitmasks[slot, :len(seqs)]
-        fill_bitmask([seq.constraint for seq in seqs], host)
-        allowed = host.to(self.device, non_blocking=True)
-        if self.pin:
-            self._bitmask_copied[slot] = torch.cuda.Event()
-            self._bitmask_copied[slot].record()
-        self._bitmask_copies += 1
-        return allowed
+        accept_unseen(seqs, lambda seq: previous.tolist()[self._last_sample_rows[seq.request_id]])
+        return self.bitmasks.to_device([seq.constraint for seq in seqs])
 
     def _sample(self, logits: torch.Tensor, seqs, sampling: SamplingInputs, allowed: torch.Tensor | None = None):
         """-> (token ids [B], packed log-probabilities or None when no row asks). `allowed`:
@@ -482,17 +372,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if logits is None:
             return
-        vocab = self.config.hf_config.vocab_size
-        counts = TokenCounts(vocab, self.device)  # the warm-up's own: its requests never finish
-        draws = [functools.partial(self._sample, logits, [seq], SamplingInputs([seq], vocab, self.noise_rng, counts))
-                 for seq in (Sequence(i, [0], params) for i, params in enumerate(sampler_warmup.warmup_params()))]
-        draws[0]()  # alone: a kernel's first launch sets up its caches
-        sampler_warmup.in_parallel(draws[1:], self.device)
-        for count in sampler_warmup.SPECIALIZED_COUNTS:
-            if count <= self.config.max_num_seqs:
-                kernels.publish_tokens(torch.zeros(count, dtype=torch.long, device=self.device), self.last_tokens,
-                                       self.sampled_host, self.publish_parity)
-        self.publish_parity.zero_()  # the host counts publishes from 0
+        sampler_warmup.draw_every_variant(functools.partial(self._sample, logits), self.config.hf_config.vocab_size,
+                                          self.noise_rng, self.device)
+        sampler_warmup.publish_every_count((self.last_tokens, self.sampled_host, self.publish_parity),
+                                           self.config.max_num_seqs, self.device)
         self._synchronize()
 
     def _capture_graphs(self) -> None:
@@ -516,16 +399,3 @@ def _drop_weight_loaders(model) -> None:
     for param in model.parameters():
         vars(param).pop("weight_loader", None)
         vars(param).pop("quantize_from", None)
-
-
-def _shutdown(workers: Workers, graphs: CUDAGraphs) -> None:
-    """Rank 0's end of a tensor-parallel engine."""
-    failed = workers.failure is not None
-    workers.stop()
-    if failed:  # the lost rank's collectives never finish: abort them before anything waits for them
-        distributed.destroy(abort=True)
-        graphs.clear()
-    else:  # NCCL communicators go after the graphs captured with them
-        graphs.clear()
-        distributed.destroy()
-    workers.join()

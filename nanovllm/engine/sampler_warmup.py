@@ -1,10 +1,15 @@
 """The sampler's warm-up at engine start (ModelRunner._warm_up_sampler): the requests that reach
-every variant of the sampling kernels, and the threads their compiles overlap in."""
+every variant of the sampling kernels, their draws and the threads their compiles overlap in,
+and a publish of each row count the publish kernel is compiled for."""
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from nanovllm import kernels
+from nanovllm.engine.sampling_inputs import SamplingInputs, TokenCounts
+from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 # Triton compiles an integer argument apart when it is 1 and when it is a multiple of 16:
@@ -44,3 +49,23 @@ def in_parallel(calls: list, device: torch.device) -> None:
             call()
     with ThreadPoolExecutor(min(COMPILE_THREADS, len(os.sched_getaffinity(0)))) as pool:
         list(pool.map(run, calls))  # raises the first failure
+
+
+def draw_every_variant(draw, vocab_size: int, noise_rng, device: torch.device) -> None:
+    """Calls `draw(seqs, sampling)` on one sequence of each of warmup_params()."""
+    counts = TokenCounts(vocab_size, device)  # the warm-up's own: its requests never finish
+    draws = [functools.partial(draw, [seq], SamplingInputs([seq], vocab_size, noise_rng, counts))
+             for seq in (Sequence(i, [0], params) for i, params in enumerate(warmup_params()))]
+    draws[0]()  # alone: a kernel's first launch sets up its caches
+    in_parallel(draws[1:], device)
+
+
+def publish_every_count(buffers, max_rows: int, device: torch.device) -> None:
+    """A kernels.publish_tokens into `buffers` (last_tokens, sampled_host, publish_parity) of
+    each of SPECIALIZED_COUNTS up to `max_rows` rows."""
+    last_tokens, sampled_host, publish_parity = buffers
+    for count in SPECIALIZED_COUNTS:
+        if count <= max_rows:
+            kernels.publish_tokens(torch.zeros(count, dtype=torch.long, device=device), last_tokens, sampled_host,
+                                   publish_parity)
+    publish_parity.zero_()  # the host counts publishes from 0

@@ -18,6 +18,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from nanovllm.engine.sequence import PLACEHOLDER
 from nanovllm.sampling_params import StructuredOutputsParams
 
 # Whitespace JSON may hold between two tokens: enough for output indented three levels deep by
@@ -156,3 +157,45 @@ def fill_bitmask(constraints: list[Constraint | None], bitmask: torch.Tensor) ->
     for matcher, row in rows:
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
 
+
+
+def accept_unseen(seqs, last_token) -> None:
+    """Each constraint of `seqs` accepts the tokens it has not seen. The last may be in flight,
+    sampled by the step before: only then is `last_token(seq)` called, which may wait for it."""
+    for seq in seqs:
+        if seq.constraint is None:
+            continue
+        unseen = seq.token_ids[seq.constraint.position:]
+        if unseen and unseen[-1] == PLACEHOLDER:
+            unseen[-1] = last_token(seq)
+        seq.constraint.accept(unseen)
+
+
+class BitmaskStaging:
+    """The host buffers a step's bitmask is filled in, then copied to the device. Pinned (with
+    `pin`): the copy does not wait for it. Two buffers taken in turn; one is written again only
+    once its copy has left it."""
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, pin: bool):
+        self.vocab_size, self.max_rows, self.device, self.pin = vocab_size, max_rows, device, pin
+        self.buffers: torch.Tensor | None = None  # allocated for the first constrained step
+        self.copies = 0
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+
+    def to_device(self, constraints: list[Constraint | None]) -> torch.Tensor:
+        """The rows' allowed tokens ([B, words] int32 on the device; all for rows without a
+        constraint)."""
+        if self.buffers is None:
+            words = bitmask_words(self.vocab_size)
+            self.buffers = torch.empty(2, self.max_rows, words, dtype=torch.int32, pin_memory=self.pin)
+        slot = self.copies % 2
+        if self.copied[slot] is not None:
+            self.copied[slot].synchronize()
+        host = self.buffers[slot, :len(constraints)]
+        fill_bitmask(constraints, host)
+        allowed = host.to(self.device, non_blocking=True)
+        if self.pin:
+            self.copied[slot] = torch.cuda.Event()
+            self.copied[slot].record()
+        self.copies += 1
+        return allowed

@@ -264,6 +264,19 @@ def start_ranks(runner_cls, config: Config) -> Workers:
     return workers
 
 
+def shutdown_ranks(workers: Workers, graphs) -> None:
+    """Rank 0's end of a tensor-parallel engine. `graphs`: its CUDA graphs (a CUDAGraphs),
+    captured with the group's communicators."""
+    failed = workers.failure is not None
+    workers.stop()
+    if failed:  # the lost rank's collectives never finish: abort them before anything waits for them
+        distributed.destroy(abort=True)
+        graphs.clear()
+    else:  # NCCL communicators go after the graphs captured with them
+        graphs.clear()
+        distributed.destroy()
+    workers.join()
+
 def tensor_parallel_rank(conn, runner_cls, config: Config, rank: int, store_port: int, num_threads: int) -> None:
     """A spawned rank: joins rank 0's group, builds its shard, then runs the steps rank 0 sends."""
     torch.set_num_threads(num_threads)

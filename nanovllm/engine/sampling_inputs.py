@@ -72,7 +72,9 @@ class SamplingInputs:
                       min_ps=None if self.min_ps is None else to_device(self.min_ps, torch.float32),
                       max_top_k=self.max_top_k)
         if self.penalty_rows is not None:
-            values = to_device(self.penalty_values, torch.float32)
+            # a tensor each: rows of one [3, B] tensor start 4 B bytes apart, so their alignment, which
+            # Triton compiles a variant for, would change with the row count the warm-up cannot cover
+            values = [to_device(row, torch.float32) for row in self.penalty_values]
             inputs["penalties"] = Penalties(to_device(self.penalty_rows, torch.int32), *values,
                                             self.counts.counts, self.counts.prompt)
         if self.edits:

@@ -10,7 +10,6 @@ keeps every generated token and recomputes the cache) leaves it as it is. With r
 the tokens up to the one that completes that text pass unconstrained; the grammar starts with
 the token after it.
 """
-import functools
 import json
 from collections import OrderedDict
 
@@ -155,13 +154,9 @@ def fill_bitmask(constraints: list[Constraint | None], bitmask: torch.Tensor) ->
     one already complete (its token is never recorded)."""
     bitmask[:len(constraints)] = -1
     rows = [(c.matcher, row) for row, c in enumerate(constraints) if c is not None and c.masks()]
-    if rows:  # rows in parallel, in llguidance's threads, which leave the GIL
-        llguidance.torch.fill_next_token_bitmask_par(_executor(), rows, bitmask)
+    for matcher, row in rows:
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
 
-
-@functools.cache
-def _executor() -> llguidance.LLExecutor:
-    return llguidance.LLExecutor()
 
 
 def accept_unseen(seqs, last_token) -> None:

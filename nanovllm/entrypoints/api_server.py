@@ -750,6 +750,13 @@ def build_app(model: str, engine_args: dict, served_model_name: str | None = Non
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         return await server.chat_completions(request, raw)
 
+    # here, not at the top: the Responses module builds on this one
+    from nanovllm.entrypoints.responses import ResponsesHandler, ResponsesRequest
+
+    @v1.post("/responses")
+    async def responses(request: ResponsesRequest, raw: Request):
+        return await ResponsesHandler(server, request).respond(raw)
+
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request):
         return await server.completions(request, raw)

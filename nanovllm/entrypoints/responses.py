@@ -89,6 +89,9 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
+    # extensions, as on chat
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -116,7 +119,8 @@ class ResponsesRequest(BaseModel):
                     if isinstance(choice, NamedFunction) else choice,
                     response_format=None if fmt is None else {"type": fmt.type, "json_schema": fmt.model_dump(
                         by_alias=True, exclude={"type"}, exclude_none=True) if fmt.type == "json_schema" else None},
-                    max_completion_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p)
+                    max_completion_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
+                    seed=self.seed, stop=self.stop)
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
@@ -208,7 +212,10 @@ class OutputItems:
             part["text"] = ""
         return {**item, "content": []} if item["type"] == "message" else item
 
-    def close(self) -> list[dict]:
+    def close(self, last: bool = False) -> list[dict]:
+        """Closes the open item; the `last` close gives an output with no item an empty message."""
+        if last and not self.items and self.open is None:
+            return self._ensure("message") + self.close()
         item, events = self.open, []
         if item is None:
             return events
@@ -258,7 +265,7 @@ class ResponsesHandler:
         if not request.stream:
             await server.run_to_end(choices, event, raw)
             output.add(choice.message.feed(choice.text.text, final=True))
-            output.close()
+            output.close(last=True)
             return self.response(output.items, choice, len(chat.prompt))
 
         async def events():
@@ -267,7 +274,7 @@ class ResponsesHandler:
                 async for c, delta, _, _ in server.generate(choices, event):
                     for item_event in output.add(c.message.feed(delta, final=c.finish_reason is not None)):
                         yield item_event
-                for item_event in output.close():
+                for item_event in output.close(last=True):
                     yield item_event
                 yield self.response(output.items, choice, len(chat.prompt), "response.completed")
             except Exception as exc:

@@ -5,6 +5,7 @@ system message, text.format to response_format), which runs through the chat pat
 output becomes reasoning, message and function_call items, whole or as Responses stream events.
 Fields that need state or tools the server lacks (previous_response_id, store, background,
 built-in tools) are a 400 naming the field."""
+import copy
 import json
 import time
 import uuid
@@ -206,10 +207,8 @@ class OutputItems:
         return events
 
     def _snapshot(self) -> dict:
-        """The open item as just opened: empty."""
-        item = json.loads(json.dumps(self.open))
-        for part in item.get("content", ()):
-            part["text"] = ""
+        """The open item as just opened (a message lists its parts as they are added)."""
+        item = copy.deepcopy(self.open)
         return {**item, "content": []} if item["type"] == "message" else item
 
     def close(self, last: bool = False) -> list[dict]:

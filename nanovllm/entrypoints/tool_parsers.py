@@ -141,7 +141,7 @@ def arguments_text(value: str) -> str:
 
 class ToolParser:
     """Base of the parsers: the calls found so far and the text not yet classified. A subclass
-    implements _parse, which consumes self.pending as far as it can."""
+    implements _step, one state of its format's machine over self.pending."""
     name: str
     # Whether the format's tags are special tokens, which the text must keep to be parsed.
     keep_special_tokens = False

@@ -127,3 +127,16 @@ def test_grammars_accept_their_format_and_parse_back(chat_checkpoint, name, para
     _, _, calls = parse(MessageParser(None, PARSERS[name]()), [good])
     assert [(call, json.loads(arguments)) for call, arguments in calls] == \
         [("weather", {"city": "Rome"}), ("noop", {})][:len(calls)]
+
+
+def test_mistral_grammar_with_its_special_tokens(chat_checkpoint):
+    """A tokenizer with [TOOL_CALLS] and [ARGS] as tokens gets the newer name[ARGS]{...} format."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    grammar = PARSERS["mistral"].grammar(TOOLS, True, tokenizer)
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer)),
+                                   llguidance.grammar_from("grammar", grammar), log_level=0)
+    text = '[TOOL_CALLS]weather[ARGS]{"city": "Rome"}[TOOL_CALLS]noop[ARGS]{}'
+    assert matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting(), matcher.get_error()
+    _, _, calls = parse(MessageParser(None, PARSERS["mistral"]()), [text])
+    assert calls == [("weather", '{"city": "Rome"}'), ("noop", "{}")]

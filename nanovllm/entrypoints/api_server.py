@@ -25,7 +25,7 @@ from importlib import metadata
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,14 +33,16 @@ from nanovllm.entrypoints import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_REQUES
 from nanovllm.entrypoints.chat_output import MessageDelta, MessageParser
 from nanovllm.entrypoints.detokenizer import TextStream
 from nanovllm.entrypoints.engine_loop import AsyncEngine, DataParallelEngine, EngineDeadError, RequestState
+from nanovllm.entrypoints.errors import APIError, engine_error, shorten
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                            ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                           CompletionResponse, Delta, DetokenizeRequest, ErrorInfo, ErrorResponse,
-                                           FunctionCall, FunctionCallDelta, ModelCard, ModelList, SamplingRequest,
-                                           TokenizeRequest, TokenLogprob, ToolCall, ToolCallChunk, Usage, new_id)
+                                           CompletionResponse, Delta, DetokenizeRequest, FunctionCall,
+                                           FunctionCallDelta, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
+                                           TokenLogprob, ToolCall, ToolCallChunk, Usage, new_id)
 from nanovllm.entrypoints.reasoning import FAMILY_REASONING_PARSERS, REASONING_PARSERS
+from nanovllm.entrypoints.responses import ResponsesHandler, ResponsesRequest
 from nanovllm.entrypoints.tool_parsers import FAMILY_PARSERS, PARSERS, ToolCallDelta
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -52,35 +54,10 @@ MAX_N = 128  # choices a request may ask for
 # Seconds requests ended at --shutdown-timeout get to send their error before uvicorn cancels them.
 SHUTDOWN_GRACE = 5.0
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: open also with --api-key
-MAX_ECHO = 100  # characters of a request's value an error message repeats
-MAX_ERROR_MESSAGE = 500
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 # SamplingRequest's fields that go to SamplingParams as they are, when set
 SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                    "bad_words")
-STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                500: "server_error", 503: "server_error"}
-
-
-def shorten(text: str, limit: int = MAX_ECHO) -> str:
-    """`text` cut to `limit` characters: an error never repeats unbounded input."""
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        message = shorten(message, MAX_ERROR_MESSAGE)  # messages of SamplingParams and pydantic echo values
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=STATUS_TYPES.get(self.status, "server_error"),
-                                             param=self.param, code=self.code))
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
 class ClientDisconnected(Exception):
@@ -693,10 +670,6 @@ def chat_delta(parsed: MessageDelta) -> Delta:
     return Delta(content=parsed.content or None, reasoning_content=parsed.reasoning or None, tool_calls=chunks or None)
 
 
-def engine_error(exc: Exception) -> APIError:
-    return APIError(500, str(exc) if isinstance(exc, EngineDeadError) else f"engine error: {exc}", code="engine_error")
-
-
 async def until_disconnected(raw: Request, awaitable):
     """Runs `awaitable` unless the client disconnects first; then it is cancelled and
     ClientDisconnected raised."""
@@ -749,9 +722,6 @@ def build_app(model: str, engine_args: dict, served_model_name: str | None = Non
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         return await server.chat_completions(request, raw)
-
-    # here, not at the top: the Responses module builds on this one
-    from nanovllm.entrypoints.responses import ResponsesHandler, ResponsesRequest
 
     @v1.post("/responses")
     async def responses(request: ResponsesRequest, raw: Request):

@@ -7,6 +7,7 @@ Fields that need state or tools the server lacks (previous_response_id, store, b
 built-in tools) are a 400 naming the field."""
 import copy
 import json
+import logging
 import time
 import uuid
 from typing import Annotated, Literal
@@ -15,11 +16,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nanovllm.entrypoints.api_server import APIError, OpenAIServer, engine_error, logger
 from nanovllm.entrypoints.chat_output import MessageDelta
 from nanovllm.entrypoints.engine_loop import EngineDeadError
+from nanovllm.entrypoints.errors import APIError, engine_error
 from nanovllm.entrypoints.protocol import ChatCompletionRequest, FunctionDefinition, Int64, JsonSchemaFormat, Text
 
+logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
 # chat field -> the Responses field it came from, for errors
 CHAT_FIELDS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
 # field -> the values that ask for nothing; anything else is a 400
@@ -242,9 +244,9 @@ class OutputItems:
 
 
 class ResponsesHandler:
-    """Runs one Responses request on the chat path of `server`."""
+    """Runs one Responses request on the chat path of `server` (api_server's OpenAIServer)."""
 
-    def __init__(self, server: OpenAIServer, request: ResponsesRequest):
+    def __init__(self, server, request: ResponsesRequest):
         self.server, self.request = server, request
         self.id, self.created_at = item_id("resp"), int(time.time())
 

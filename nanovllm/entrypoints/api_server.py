@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import secrets
 import signal
@@ -18,25 +19,31 @@ import socket
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib import metadata
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.entrypoints import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_REQUEST_BYTES
+from nanovllm.entrypoints.chat_output import MessageDelta, MessageParser
 from nanovllm.entrypoints.detokenizer import TextStream
 from nanovllm.entrypoints.engine_loop import AsyncEngine, DataParallelEngine, EngineDeadError, RequestState
+from nanovllm.entrypoints.errors import APIError, engine_error, shorten
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                            ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                           CompletionResponse, Delta, DetokenizeRequest, ErrorInfo, ErrorResponse,
-                                           ModelCard, ModelList, SamplingRequest, TokenizeRequest, TokenLogprob, Usage,
-                                           new_id)
+                                           CompletionResponse, Delta, DetokenizeRequest, FunctionCall,
+                                           FunctionCallDelta, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
+                                           TokenLogprob, ToolCall, ToolCallChunk, Usage, new_id)
+from nanovllm.entrypoints.reasoning import FAMILY_REASONING_PARSERS, REASONING_PARSERS
+from nanovllm.entrypoints.responses import ResponsesHandler, ResponsesRequest
+from nanovllm.entrypoints.tool_parsers import FAMILY_PARSERS, PARSERS, ToolCallDelta
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
@@ -47,35 +54,10 @@ MAX_N = 128  # choices a request may ask for
 # Seconds requests ended at --shutdown-timeout get to send their error before uvicorn cancels them.
 SHUTDOWN_GRACE = 5.0
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: open also with --api-key
-MAX_ECHO = 100  # characters of a request's value an error message repeats
-MAX_ERROR_MESSAGE = 500
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 # SamplingRequest's fields that go to SamplingParams as they are, when set
 SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                    "bad_words")
-STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                500: "server_error", 503: "server_error"}
-
-
-def shorten(text: str, limit: int = MAX_ECHO) -> str:
-    """`text` cut to `limit` characters: an error never repeats unbounded input."""
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        message = shorten(message, MAX_ERROR_MESSAGE)  # messages of SamplingParams and pydantic echo values
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=STATUS_TYPES.get(self.status, "server_error"),
-                                             param=self.param, code=self.code))
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
 class ClientDisconnected(Exception):
@@ -110,17 +92,39 @@ def sse(payload) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
-class Choice:
-    """One choice of a response: its engine request and its text so far."""
+@dataclass
+class ChatPlan:
+    """A chat request made ready for the engine: its prompt, its output constraint (the field
+    that asks, its params) and how its output is parsed."""
+    prompt: list[int]
+    constraint: tuple[str | None, StructuredOutputsParams | None]
+    reasoning: type | None  # a reasoning parser class, or None
+    reasoning_mode: str  # the parser's reasoning_mode of the prompt
+    tool_parser: type | None  # a tool parser class, or None: calls are not parsed
 
-    def __init__(self, index: int, state: RequestState, text: TextStream, stop_token_ids: set[int]):
-        self.index, self.state, self.text = index, state, text
+    def message_parser(self) -> MessageParser:
+        return MessageParser(self.reasoning(self.reasoning_mode) if self.reasoning is not None else None,
+                             self.tool_parser() if self.tool_parser is not None else None)
+
+
+class Choice:
+    """One choice of a response: its engine request and its text so far; `message` parses a
+    chat choice's text into reasoning, content and tool calls."""
+
+    def __init__(self, index: int, state: RequestState, text: TextStream, stop_token_ids: set[int],
+                 message: MessageParser | None = None):
+        self.index, self.state, self.text, self.message = index, state, text, message
         # the tokens that end the output by being drawn; a grammar's end finishes it as "stop" too
         self.stop_token_ids = stop_token_ids
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []  # one a token, when the request asked
         self.text_offset = 0  # summed length of the token strings given log-probabilities so far (completions)
         self.finish_reason: str | None = None
+
+    @property
+    def chat_finish_reason(self) -> str | None:
+        """finish_reason, "tool_calls" for an output that ended by itself after calling tools."""
+        return "tool_calls" if self.finish_reason == "stop" and self.message.called else self.finish_reason
 
     def advance(self) -> tuple[str, list[int], list[dict[int, float]]]:
         """Takes the tokens that arrived: the text delta, the new token ids and their
@@ -143,8 +147,11 @@ class Choice:
 class OpenAIServer:
     def __init__(self, model: str, engine_args: dict, served_model_name: str | None = None,
                  max_queue: int | None = None, engine_class=None,
-                 max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS):
+                 max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None):
         self.model_dir = model
+        # None: the checkpoint family's (FAMILY_REASONING_PARSERS, FAMILY_PARSERS); "none": off
+        self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
         self.model_name = served_model_name or model
         self.max_queue = max_queue
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
@@ -220,24 +227,74 @@ class OpenAIServer:
         return prompts
 
     def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The prompt's text: the conversation through the chat template, with `tools` (OpenAI's
+        tool definitions) and the request's chat_template_kwargs."""
         if not messages:
             raise APIError(400, "messages: must hold at least one message", param="messages")
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions",
                            param="messages")
-        conversation = []
-        for i, message in enumerate(messages):
-            content = message.content
-            if isinstance(content, list):
-                if any(part.type != "text" or part.text is None for part in content):
-                    raise APIError(400, f"messages.{i}.content: only text parts are supported", param="messages")
-                content = "".join(part.text for part in content)
-            conversation.append({"role": message.role, "content": content or ""})
+        conversation = [template_message(i, message) for i, message in enumerate(messages)]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(conversation, **{**(template_kwargs or {}), "tools": tools},
+                                                      add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # the template rejects the conversation (jinja raise_exception)
             raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prepare_chat(self, request: ChatCompletionRequest) -> ChatPlan:
+        """The prompt, constraint and parsers of a chat request (on the tokenizer's thread)."""
+        tools, tool_parser, forced = self.tool_use(request)
+        text = self.render_chat(request.messages, tools, request.chat_template_kwargs)
+        reasoning = REASONING_PARSERS.get(self.parser_name(self.reasoning_parser, FAMILY_REASONING_PARSERS))
+        mode = reasoning.reasoning_mode(text, str(self.tokenizer.chat_template)) if reasoning is not None else "off"
+        # the grammar starts once the reasoning has ended
+        reasoning_end = reasoning.END if mode != "off" else None
+        constraint = self.constraint(request, reasoning_end)
+        if forced is not None:
+            if constraint[0] is not None:
+                raise APIError(400, f"{constraint[0]}: cannot be combined with a tool_choice that forces a call",
+                               param=constraint[0])
+            constraint = "tools", StructuredOutputsParams(grammar=forced, reasoning_end=reasoning_end)
+        return ChatPlan(self.tokenizer.encode(text, add_special_tokens=False), constraint, reasoning, mode, tool_parser)
+
+    def parser_name(self, chosen: str | None, families: dict[str, str]) -> str | None:
+        if chosen is not None:
+            return None if chosen == "none" else chosen
+        return families.get(self.engine.info.get("architecture"))
+
+    def tool_use(self, request: ChatCompletionRequest) -> tuple[list[dict] | None, type | None, str | None]:
+        """(the tools the template is given, the parser of the output's calls, the Lark grammar
+        that forces calls). tool_choice "none": the model is not told of the tools."""
+        choice = request.tool_choice
+        if not request.tools:
+            if choice not in (None, "none"):
+                raise APIError(400, "tool_choice: needs tools", param="tool_choice")
+            return None, None, None
+        if choice == "none":
+            return None, None, None
+        functions = [tool.function.model_dump(exclude_none=True) for tool in request.tools]
+        names = [function["name"] for function in functions]
+        if len(set(names)) < len(names):
+            raise APIError(400, "tools: two tools have the same name", param="tools")
+        name = self.parser_name(self.tool_call_parser, FAMILY_PARSERS)
+        if name is None:
+            raise APIError(400, f"tools: this server has no tool-call parser for {self.engine.info.get('architecture')}"
+                                "; start it with --tool-call-parser", param="tools")
+        parser = PARSERS[name]
+        template_tools = [{"type": "function", "function": function} for function in functions]
+        if choice in (None, "auto"):
+            return template_tools, parser, None
+        if choice == "required":
+            return template_tools, parser, parser.grammar(functions, request.parallel_tool_calls, self.tokenizer)
+        chosen = [function for function in functions if function["name"] == choice.function.name]
+        if not chosen:
+            raise APIError(400, f"tool_choice: no tool is named {shorten(repr(choice.function.name))}",
+                           param="tool_choice")
+        return template_tools, parser, parser.grammar(chosen, False, self.tokenizer)
 
     # --- generation -------------------------------------------------------------------------
     def sampling_params(self, request: SamplingRequest, prompt_len: int, seed_offset: int, chat: bool,
@@ -293,7 +350,8 @@ class OpenAIServer:
                                 f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
         return stop
 
-    def constraint(self, request: SamplingRequest) -> tuple[str | None, StructuredOutputsParams | None]:
+    def constraint(self, request: SamplingRequest,
+                   reasoning_end: str | None = None) -> tuple[str | None, StructuredOutputsParams | None]:
         """(the field that asks, its StructuredOutputsParams) of the request's output constraint."""
         try:
             asked = request.structured_output()
@@ -305,17 +363,20 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, f"{field}: this model has no tokenizer to build a grammar's token masks", param=field)
         try:
-            return field, StructuredOutputsParams(**arguments)
+            return field, StructuredOutputsParams(**arguments, reasoning_end=reasoning_end)
         except ValueError as exc:
             raise constraint_error(exc, field) from None
 
-    async def start_choices(self, request: SamplingRequest, prompts: list[list[int]], chat: bool,
+    async def start_choices(self, request: SamplingRequest, prompts: list[list[int]], chat: ChatPlan | None,
                             raw: Request) -> tuple[list[Choice], asyncio.Event]:
         """Queues one engine request per prompt and choice and waits until the engine accepted
         them all; on any error (or a client gone meanwhile) none is left running."""
         self.check_ready()  # again: the engine may have died while the prompt was tokenized
         stop = self.check_request(request)
-        constraint_field, constraint = self.constraint(request)
+        constraint_field, constraint = chat.constraint if chat else self.constraint(request)
+        # a format whose tags are special tokens needs their text to be parsed
+        keep_special = chat is not None and chat.tool_parser is not None and chat.tool_parser.keep_special_tokens
+        skip_special_tokens = request.skip_special_tokens and not keep_special
         prompt_param = "messages" if chat else "prompt"
         params = [[self.sampling_params(request, len(p), i, chat, prompt_param, constraint) for i in range(request.n)]
                   for p in prompts]
@@ -326,9 +387,9 @@ class OpenAIServer:
         for prompt, prompt_params in zip(prompts, params):
             for sp in prompt_params:
                 state = self.engine.add(prompt, sp, event)
-                choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop, request.skip_special_tokens,
+                choices.append(Choice(len(choices), state, TextStream(self.tokenizer, stop, skip_special_tokens,
                                                                       request.include_stop_str_in_output),
-                                      stop_token_ids))
+                                      stop_token_ids, chat.message_parser() if chat else None))
         try:
             await until_disconnected(raw, self._accepted(choices, event, prompt_param, constraint_field))
         except ClientDisconnected:
@@ -430,14 +491,15 @@ class OpenAIServer:
         self.check_model(request.model)
         self.check_ready()
         return await self.respond(request, await self.off_loop(self.completion_prompts, request.prompt), raw,
-                                  chat=False)
+                                  chat=None)
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request):
         self.check_model(request.model)
         self.check_ready()
-        return await self.respond(request, [await self.off_loop(self.chat_prompt, request.messages)], raw, chat=True)
+        chat = await self.off_loop(self.prepare_chat, request)
+        return await self.respond(request, [chat.prompt], raw, chat=chat)
 
-    async def respond(self, request: SamplingRequest, prompts: list[list[int]], raw: Request, chat: bool):
+    async def respond(self, request: SamplingRequest, prompts: list[list[int]], raw: Request, chat: ChatPlan | None):
         """Runs the request's choices and answers with the whole response, or streams it."""
         choices, event = await self.start_choices(request, prompts, chat, raw)
         response_id, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
@@ -450,7 +512,8 @@ class OpenAIServer:
             return (ChatCompletionChunk if chat else CompletionResponse)(
                 id=response_id, created=created, model=self.model_name, choices=choices_out, usage=usage)
 
-        def choice_out(c: Choice, text: str, token_ids: list[int], entries: list[dict], streamed: bool):
+        def choice_out(c: Choice, text: str, token_ids: list[int], entries: list[dict], streamed: bool,
+                       parsed: MessageDelta | None = None):
             logprobs = None
             if with_logprobs:
                 logprobs = (self.chat_logprobs(token_ids, entries, num_logprobs) if chat
@@ -460,10 +523,11 @@ class OpenAIServer:
                 return CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                                         token_ids=token_ids)
             if streamed:
-                return ChatChunkChoice(index=c.index, delta=Delta(content=text or None), logprobs=logprobs,
-                                       finish_reason=c.finish_reason, token_ids=token_ids)
-            return ChatChoice(index=c.index, message=AssistantMessage(content=text), logprobs=logprobs,
-                              finish_reason=c.finish_reason, token_ids=token_ids)
+                return ChatChunkChoice(index=c.index, delta=chat_delta(parsed), logprobs=logprobs,
+                                       finish_reason=c.chat_finish_reason, token_ids=token_ids)
+            message = assistant_message(c.message.feed(text, final=True), c.message.called)
+            return ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=c.chat_finish_reason,
+                              token_ids=token_ids)
 
         if request.stream:
             async def deltas():
@@ -472,9 +536,11 @@ class OpenAIServer:
                 for c in choices if echoed else ():
                     yield sse(chunk([CompletionChoice(index=c.index, text=echoed[c.index // request.n])]))
                 async for c, delta, token_ids, logprobs in self.generate(choices, event):
+                    parsed = c.message.feed(delta, final=c.finish_reason is not None) if chat else None
+                    shown = (parsed.content or parsed.reasoning or parsed.tool_calls) if chat else delta
                     # every token's ids and log-probabilities are sent, also while its text is held back
-                    if delta or c.finish_reason or ((with_ids or with_logprobs) and token_ids):
-                        yield sse(chunk([choice_out(c, delta, token_ids, logprobs, streamed=True)]))
+                    if shown or c.finish_reason or ((with_ids or with_logprobs) and token_ids):
+                        yield sse(chunk([choice_out(c, delta, token_ids, logprobs, streamed=True, parsed=parsed)]))
 
             return self.stream(deltas(), choices, request, lambda: chunk([], self.usage(prompts, choices)))
         await self.run_to_end(choices, event, raw)
@@ -548,8 +614,60 @@ class OpenAIServer:
         return {"prompt": await self.off_loop(self.tokenizer.decode, request.tokens)}
 
 
-def engine_error(exc: Exception) -> APIError:
-    return APIError(500, str(exc) if isinstance(exc, EngineDeadError) else f"engine error: {exc}", code="engine_error")
+def template_message(i: int, message: ChatMessage) -> dict:
+    """A message as chat templates take it: text content, a call's arguments as a dict (templates
+    render them with tojson), the tool fields when set."""
+    content = message.content
+    if isinstance(content, list):
+        if any(part.type != "text" or part.text is None for part in content):
+            raise APIError(400, f"messages.{i}.content: only text parts are supported", param="messages")
+        content = "".join(part.text for part in content)
+    out = {"role": message.role, "content": content or ""}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.function.name,
+                                           "arguments": call_arguments(call.function.arguments, i)}}
+                             for call in message.tool_calls]
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
+    return out
+
+
+def call_arguments(arguments: str | dict, i: int) -> dict:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise APIError(400, f"messages.{i}.tool_calls: arguments must be a JSON object, got "
+                            f"{shorten(repr(arguments))}", param="messages")
+    return parsed
+
+
+def tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """The calls that a whole output's deltas make."""
+    calls = []
+    for delta in deltas:
+        if delta.id is not None:
+            calls.append(ToolCall(id=delta.id, function=FunctionCall(name=delta.name, arguments=delta.arguments)))
+        else:
+            calls[delta.index].function.arguments += delta.arguments
+    return calls
+
+
+def assistant_message(parsed: MessageDelta, called: bool) -> AssistantMessage:
+    """A whole output's message; its content is null when calls or reasoning took all of it."""
+    return AssistantMessage(content=parsed.content or (None if called or parsed.reasoning else ""),
+                            reasoning_content=parsed.reasoning or None, tool_calls=tool_calls(parsed.tool_calls) or None)
+
+
+def chat_delta(parsed: MessageDelta) -> Delta:
+    chunks = [ToolCallChunk(index=d.index, id=d.id, type="function" if d.id is not None else None,
+                            function=FunctionCallDelta(name=d.name, arguments=d.arguments)) for d in parsed.tool_calls]
+    return Delta(content=parsed.content or None, reasoning_content=parsed.reasoning or None, tool_calls=chunks or None)
 
 
 async def until_disconnected(raw: Request, awaitable):
@@ -576,11 +694,14 @@ async def _disconnected(raw: Request) -> None:
 # --- the application ---------------------------------------------------------------------------
 def build_app(model: str, engine_args: dict, served_model_name: str | None = None, api_key: str | None = None,
               max_queue: int | None = None, engine_class=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS, enable_docs: bool = False) -> FastAPI:
+              max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS, enable_docs: bool = False,
+              reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `model`; the engine process starts with the app (lifespan) and
     loads in the background: /health answers 503 until it is ready. `enable_docs`: serve
-    /docs, /redoc and /openapi.json."""
-    server = OpenAIServer(model, engine_args, served_model_name, max_queue, engine_class, max_engine_restarts)
+    /docs, /redoc and /openapi.json. `reasoning_parser`, `tool_call_parser`: a parser's name,
+    "none" (reasoning: off), or None for the checkpoint family's."""
+    server = OpenAIServer(model, engine_args, served_model_name, max_queue, engine_class, max_engine_restarts,
+                          reasoning_parser, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -601,6 +722,10 @@ def build_app(model: str, engine_args: dict, served_model_name: str | None = Non
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         return await server.chat_completions(request, raw)
+
+    @v1.post("/responses")
+    async def responses(request: ResponsesRequest, raw: Request):
+        return await ResponsesHandler(server, request).respond(raw)
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request):
@@ -756,12 +881,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(model: str, engine_args: dict, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, api_key: str | None = None, max_queue: int | None = None,
           shutdown_timeout: float = 30.0, log_level: str = "info", max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS, enable_docs: bool = False) -> int:
+          max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS, enable_docs: bool = False,
+          reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> int:
     """Runs the server until SIGTERM or Ctrl-C; returns the exit code (1 if the engine failed to
     load, or died more often than it may be restarted)."""
     sock = bind_socket(host, port)
     app = build_app(model, engine_args, served_model_name, api_key, max_queue, max_request_bytes=max_request_bytes,
-                    max_engine_restarts=max_engine_restarts, enable_docs=enable_docs)
+                    max_engine_restarts=max_engine_restarts, enable_docs=enable_docs, reasoning_parser=reasoning_parser,
+                    tool_call_parser=tool_call_parser)
     server = Server(app, shutdown_timeout, log_level)
     failure = []
 

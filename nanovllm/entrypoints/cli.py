@@ -8,6 +8,8 @@ import types
 
 from nanovllm.config import Config
 from nanovllm.entrypoints import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_REQUEST_BYTES
+from nanovllm.entrypoints.reasoning import REASONING_PARSERS
+from nanovllm.entrypoints.tool_parsers import PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +64,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C (default: 30)")
     parser.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    parser.add_argument("--reasoning-parser", choices=[*REASONING_PARSERS, "none"],
+                        help="split <think> reasoning into reasoning_content (default: qwen3 for Qwen3 checkpoints)")
+    parser.add_argument("--tool-call-parser", choices=list(PARSERS),
+                        help="the tool-call format of the model's output (default: by the checkpoint's family)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(parser)
 
@@ -78,7 +84,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                  shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                  max_request_bytes=args.max_request_bytes, max_engine_restarts=args.max_engine_restarts,
-                 enable_docs=args.enable_docs)
+                 enable_docs=args.enable_docs, reasoning_parser=args.reasoning_parser,
+                 tool_call_parser=args.tool_call_parser)
 
 
 def run_bench(rest: list[str]) -> int:

@@ -59,7 +59,8 @@ def engine_main(model: str, engine_args: dict, sock: socket.socket, engine_class
         engine = engine_class(model, **engine_args)
         info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.config.hf_config.vocab_size,
                 "sampling_defaults": dict(engine.sampling_defaults),
-                "eos_token_ids": sorted(engine.scheduler.eos_token_ids)}
+                "eos_token_ids": sorted(engine.scheduler.eos_token_ids),
+                "architecture": engine.config.hf_config.architecture}
     except Exception as exc:
         sock.sendall(_frame(("failed", _describe(exc))))
         raise SystemExit(1) from None

@@ -29,7 +29,8 @@ Text = Annotated[str, AfterValidator(_whole_characters)]
 
 # field -> the values that ask for nothing (some clients send them by default); null is always
 # allowed (it means the field's default).
-# echo: a field of completions; chat's is vLLM's other echo, of the last message.
+# echo: a field of completions; chat's is vLLM's other echo, of the last message. tools and
+# tool_choice: fields of chat, which declares them.
 UNSUPPORTED_FIELDS = {
     "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "prompt_logprobs": (),
@@ -165,9 +166,49 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
+class FunctionCallIn(BaseModel):
+    name: Text
+    arguments: Text | dict = "{}"  # OpenAI's JSON text; a dict is taken too
+
+
+class ToolCallIn(BaseModel):
+    """A call of an earlier assistant message in the history."""
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     role: Text
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: Text | None = None  # tool
+    name: Text | None = None
+    reasoning_content: Text | None = None  # assistant: passed to templates that render it
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]  # OpenAI's names, and dotted ones
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # the schema is enforced when the call is (tool_choice), either way
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -175,6 +216,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # extra variables of the chat template (enable_thinking)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -261,16 +306,32 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = omitted_if_none()
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = omitted_if_none()
+    tool_calls: list[ToolCall] | None = omitted_if_none()
+
+
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: ChatFinishReason | None = None
     token_ids: list[int] | None = omitted_if_none()
 
 
@@ -283,16 +344,32 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = omitted_if_none()
+    arguments: str
+
+
+class ToolCallChunk(BaseModel):
+    """A piece of a streamed call: the first names it (id, type, function.name), the others
+    add to its arguments."""
+    index: int
+    id: str | None = omitted_if_none()
+    type: Literal["function"] | None = omitted_if_none()
+    function: FunctionCallDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = omitted_if_none()
     content: str | None = omitted_if_none()
+    reasoning_content: str | None = omitted_if_none()
+    tool_calls: list[ToolCallChunk] | None = omitted_if_none()
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: ChatFinishReason | None = None
     token_ids: list[int] | None = omitted_if_none()
 
 

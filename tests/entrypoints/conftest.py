@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from checkpoints import build_checkpoint, copy_checkpoint
-from servers import CHAT_TEMPLATE, ENGINE_ARGS, RunningServer, TIMEOUT
+from servers import CHAT_TEMPLATE, ENGINE_ARGS, TOOLS_CHAT_TEMPLATE, RunningServer, TIMEOUT
 
 
 def edit_json(path: Path, **changes) -> None:
@@ -55,3 +55,12 @@ def llm(chat_checkpoint):
     """An in-process engine on the same checkpoint, for the outputs the server must match."""
     from nanovllm import LLM
     return LLM(str(chat_checkpoint), **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def tools_checkpoint(chat_checkpoint, tmp_path_factory) -> Path:
+    """The chat checkpoint (Qwen3, so hermes tool calls and qwen3 reasoning by default) with a
+    Qwen-style template that renders tools, calls, tool results and thinking."""
+    path = copy_checkpoint(chat_checkpoint, tmp_path_factory.mktemp("tools_checkpoint"))
+    edit_json(path / "tokenizer_config.json", chat_template=TOOLS_CHAT_TEMPLATE)
+    return path

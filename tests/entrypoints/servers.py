@@ -13,6 +13,39 @@ from nanovllm import LLM
 # Role markers as plain text: the tiny tokenizer has no special tokens for them.
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# Qwen's layout with tools: their JSON in the system turn, calls as <tool_call> JSON (arguments
+# rendered with tojson: the server must turn the history's JSON text into dicts), tool results
+# in a user turn. Thinking is closed in the prompt unless enable_thinking opens it.
+TOOLS_CHAT_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call one as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content }}
+{%- for call in m.tool_calls or [] %}
+<tool_call>{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% elif m.role != 'system' or not loop.first %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking %}<think>
+{% else %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
 ENGINE_ARGS = dict(device="cpu", dtype="float32", enforce_eager=True, max_model_len=256, kvcache_block_size=16,
                    num_kvcache_blocks=128)
 MODEL_NAME = "tiny"

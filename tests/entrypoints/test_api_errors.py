@@ -82,7 +82,7 @@ def test_out_of_range_sampling_values(server, field, value):
 
 @pytest.mark.parametrize("field, value", [
     ("max_completion_tokens", 0), ("top_logprobs", 3), ("temperature", -1),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_schema"}),
+    ("tools", [{"type": "function", "function": {"name": "f g"}}]), ("response_format", {"type": "json_schema"}),
 ])
 def test_chat_out_of_range_values(server, field, value):
     assert_error(post(server, "/v1/chat/completions", {**CHAT, field: value}), 400, field)

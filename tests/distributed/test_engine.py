@@ -104,3 +104,24 @@ def test_dp2_equals_one_engine_and_fails_loudly(checkpoint):
         error = call_with_timeout(llm.generate, prompts, greedy(), False)
         assert isinstance(error, WorkerError) and "data-parallel replica 1 exited" in str(error)
     assert not child_pids()
+
+
+
+def test_tp2_speculative_tokens_equal_plain(checkpoint):
+    """n-gram verification steps over two ranks, preempting one another: the same greedy tokens
+    as decoding without speculation, with proposals accepted."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    prompts = [[5, 17, 3, 99, 42] * 9, PREFIX + [200] * 11, list(range(100, 141))]
+    with LLM(str(checkpoint), tensor_parallel_size=2, **MIX) as llm:
+        plain = [o["token_ids"] for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    with LLM(str(checkpoint), tensor_parallel_size=2, speculative_config=config, **MIX) as llm:
+        speculative = [o["token_ids"] for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+        accepted = llm.memory_stats()["spec_decode_num_accepted_tokens"]
+    assert speculative == plain
+    assert accepted > 0
+
+
+def test_tp2_draft_model_is_refused_before_any_process_starts(checkpoint):
+    config = {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(str(checkpoint), tensor_parallel_size=2, speculative_config=config, **MIX)

@@ -158,7 +158,6 @@ def fill_bitmask(constraints: list[Constraint | None], bitmask: torch.Tensor) ->
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
 
 
-
 def accept_unseen(seqs, last_token) -> None:
     """Each constraint of `seqs` accepts the tokens it has not seen. The last may be in flight,
     sampled by the step before: only then is `last_token(seq)` called, which may wait for it."""

@@ -277,6 +277,7 @@ def shutdown_ranks(workers: Workers, graphs) -> None:
         distributed.destroy()
     workers.join()
 
+
 def tensor_parallel_rank(conn, runner_cls, config: Config, rank: int, store_port: int, num_threads: int) -> None:
     """A spawned rank: joins rank 0's group, builds its shard, then runs the steps rank 0 sends."""
     torch.set_num_threads(num_threads)

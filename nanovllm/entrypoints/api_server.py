@@ -12,7 +12,6 @@ import contextlib
 import functools
 import itertools
 import json
-import logging
 import secrets
 import signal
 import socket
@@ -33,7 +32,7 @@ from nanovllm.entrypoints import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_REQUES
 from nanovllm.entrypoints.chat_output import MessageDelta, MessageParser
 from nanovllm.entrypoints.detokenizer import TextStream
 from nanovllm.entrypoints.engine_loop import AsyncEngine, DataParallelEngine, EngineDeadError, RequestState
-from nanovllm.entrypoints.errors import APIError, engine_error, shorten
+from nanovllm.entrypoints.errors import APIError, engine_error, shorten, stream_error
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
@@ -46,7 +45,6 @@ from nanovllm.entrypoints.responses import ResponsesHandler, ResponsesRequest
 from nanovllm.entrypoints.tool_parsers import FAMILY_PARSERS, PARSERS, ToolCallDelta
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
 # A completion request without max_tokens gets OpenAI's default; a chat request gets the room
 # left in max_model_len.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -582,9 +580,7 @@ class OpenAIServer:
                 if include_usage:
                     yield sse(usage_chunk())
             except Exception as exc:
-                if not isinstance(exc, EngineDeadError):
-                    logger.exception("a streamed response failed")
-                yield sse(engine_error(exc).body())
+                yield sse(stream_error(exc).body())
             finally:  # also when the client left: the task is cancelled
                 self.finish(choices)
             yield "data: [DONE]\n\n"

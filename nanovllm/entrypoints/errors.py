@@ -1,10 +1,13 @@
 """Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, shared by the
 server's endpoints."""
+import logging
+
 from fastapi.responses import JSONResponse
 
 from nanovllm.entrypoints.engine_loop import EngineDeadError
 from nanovllm.entrypoints.protocol import ErrorInfo, ErrorResponse
 
+logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
 MAX_ECHO = 100  # characters of a request's value an error message repeats
 MAX_ERROR_MESSAGE = 500
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -34,3 +37,11 @@ class APIError(Exception):
 
 def engine_error(exc: Exception) -> APIError:
     return APIError(500, str(exc) if isinstance(exc, EngineDeadError) else f"engine error: {exc}", code="engine_error")
+
+
+def stream_error(exc: Exception) -> APIError:
+    """The error a stream sends when it fails midway; logged with its traceback unless the
+    engine died (its supervisor says why)."""
+    if not isinstance(exc, EngineDeadError):
+        logger.exception("a streamed response failed")
+    return engine_error(exc)

@@ -7,7 +7,6 @@ Fields that need state or tools the server lacks (previous_response_id, store, b
 built-in tools) are a 400 naming the field."""
 import copy
 import json
-import logging
 import time
 import uuid
 from typing import Annotated, Literal
@@ -17,11 +16,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nanovllm.entrypoints.chat_output import MessageDelta
-from nanovllm.entrypoints.engine_loop import EngineDeadError
-from nanovllm.entrypoints.errors import APIError, engine_error
+from nanovllm.entrypoints.errors import APIError, stream_error
 from nanovllm.entrypoints.protocol import ChatCompletionRequest, FunctionDefinition, Int64, JsonSchemaFormat, Text
 
-logger = logging.getLogger("uvicorn.error")  # uvicorn's log: it configures and prints it
 # chat field -> the Responses field it came from, for errors
 CHAT_FIELDS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
 # field -> the values that ask for nothing; anything else is a 400
@@ -279,9 +276,7 @@ class ResponsesHandler:
                     yield item_event
                 yield self.response(output.items, choice, len(chat.prompt), "response.completed")
             except Exception as exc:
-                if not isinstance(exc, EngineDeadError):
-                    logger.exception("a streamed response failed")
-                error = engine_error(exc)
+                error = stream_error(exc)
                 yield {"type": "error", "code": error.code, "message": error.message, "param": None}
             finally:  # also when the client left: the task is cancelled
                 server.finish(choices)
